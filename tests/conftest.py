@@ -1,0 +1,66 @@
+"""Shared fixtures: random operands with IEEE special values, and GPU skipping."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+
+def _has_gpu() -> bool:
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU visible to jax (jax.devices('gpu') is empty)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+SPECIALS = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0], dtype=np.float64)
+
+
+def random_operand(rng: np.random.Generator, shape, dtype, specials=True) -> np.ndarray:
+    """Normal data with NaN, +-Inf, +-0.0 and exact ties sprinkled in."""
+    x = rng.standard_normal(shape).astype(np.float64) * 4
+    if specials and x.size:
+        flat = x.reshape(-1)
+        k = max(1, flat.size // 5)
+        idx = rng.choice(flat.size, size=min(k, flat.size), replace=False)
+        flat[idx] = rng.choice(SPECIALS, size=idx.size)
+    return x.astype(dtype)
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    # Fresh data each run; the seed is printed on failure to reproduce it.
+    seed = np.random.SeedSequence().entropy % (2**32)
+    request.node.user_properties.append(("seed", seed))
+    print(f"random seed: {seed}")
+    return np.random.default_rng(seed)
+
+
+def bits(x) -> np.ndarray:
+    """The raw bit pattern, so NaN payloads and signed zeros compare too."""
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
+
+
+def assert_bitwise_equal(actual, expected):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    bad = bits(actual) != bits(expected)
+    if bad.any():
+        i = np.argwhere(bad)[0]
+        raise AssertionError(
+            f"{bad.sum()} of {bad.size} elements differ in bits; first at {tuple(i)}: "
+            f"got {actual[tuple(i)]!r} ({bits(actual)[tuple(i)]:#x}), "
+            f"want {expected[tuple(i)]!r} ({bits(expected)[tuple(i)]:#x})"
+        )

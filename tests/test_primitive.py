@@ -1,0 +1,281 @@
+"""The fused primitive against XLA's own `max(a + b, 0)`: values, rules, lowering, errors."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxfuse
+from jaxfuse import _lowering
+from jaxfuse._primitive import add_relu_p
+
+from conftest import assert_bitwise_equal, random_operand
+
+DTYPES = [np.float32, np.float64, jnp.float16, jnp.bfloat16]
+DTYPE_IDS = ["f32", "f64", "f16", "bf16"]
+
+# (a shape, b shape): same shape, bias adds, two-sided broadcasts, scalars,
+# odd sizes and empty arrays.
+SHAPES = [
+    ((), ()),
+    ((1,), (1,)),
+    ((7,), (7,)),
+    ((1000003,), (1000003,)),
+    ((4, 8), (1, 8)),
+    ((1, 8), (4, 8)),
+    ((7, 1), (1, 9)),
+    ((1, 1), (5, 6)),
+    ((2, 3, 5, 7), (1, 1, 1, 7)),
+    ((2, 3, 5, 7), (2, 1, 5, 1)),
+    ((3, 17, 33), ()),
+    ((), (3, 17, 33)),
+    ((0,), (0,)),
+    ((0, 3), (1, 3)),
+    ((4, 0), (4, 1)),
+    ((129, 65), (129, 65)),
+    ((64, 1000), (1000,)),  # rank promotion: numpy-style bias
+]
+
+
+def x64(dtype):
+    return jax.enable_x64(True) if np.dtype(dtype) == np.float64 else contextlib.nullcontext()
+
+
+def reference(a, b):
+    return jax.jit(lambda a, b: jnp.maximum(a + b, 0))(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("a_shape,b_shape", SHAPES, ids=str)
+def test_values_bitwise_equal_xla(rng, dtype, a_shape, b_shape):
+    with x64(dtype):
+        a, b = random_operand(rng, a_shape, dtype), random_operand(rng, b_shape, dtype)
+        out = jax.jit(jaxfuse.add_relu)(a, b)
+        assert_bitwise_equal(out, reference(a, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_every_special_pair(dtype):
+    """Each pair of special values, both operand orders, against XLA."""
+    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 3.5e-45, 65504.0, 7e4])
+    with x64(dtype):
+        a = np.repeat(specials, specials.size).astype(dtype)
+        b = np.tile(specials, specials.size).astype(dtype)
+        assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), reference(a, b))
+
+
+def test_rounding_of_narrow_types_is_done_once(rng):
+    """f16/bf16: sums that round differently if rounded twice or not at all."""
+    for dtype in (jnp.float16, jnp.bfloat16):
+        a = rng.uniform(0.5, 4, size=4096).astype(dtype)
+        b = (rng.uniform(-1, 1, size=4096) * 2.0**-9).astype(dtype)
+        assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), reference(a, b))
+
+
+def test_large_array_uses_all_paths(rng):
+    n = (1 << 22) + 5  # large enough for the threaded path, with a ragged tail
+    a, b = random_operand(rng, (n,), np.float32), random_operand(rng, (n,), np.float32)
+    assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), reference(a, b))
+    m = random_operand(rng, (2048, 2049), np.float32)
+    bias = random_operand(rng, (1, 2049), np.float32)
+    assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(m, bias), reference(m, bias))
+
+
+def test_eager_call_matches(rng):
+    a, b = random_operand(rng, (5, 3), np.float32), random_operand(rng, (3,), np.float32)
+    assert_bitwise_equal(jaxfuse.add_relu(a, b), reference(a, b))
+
+
+def test_python_scalar_operand_takes_array_dtype(rng):
+    a = random_operand(rng, (6,), jnp.bfloat16)
+    out = jaxfuse.add_relu(a, 1.0)
+    assert out.dtype == jnp.bfloat16
+    assert_bitwise_equal(out, reference(a, jnp.asarray(1.0, jnp.bfloat16)))
+
+
+# ------------------------------------------------------------------ abstract eval
+def test_abstract_eval_keeps_shape_dtype_and_weak_type():
+    f = lambda x, y: add_relu_p.bind(x, y, grad_at_zero=0.0)
+    out = jax.eval_shape(f, jax.ShapeDtypeStruct((4, 1), jnp.bfloat16), jax.ShapeDtypeStruct((1, 5), jnp.bfloat16))
+    assert out.shape == (4, 5) and out.dtype == jnp.bfloat16
+    weak = jax.make_jaxpr(f)(1.0, 2.0).jaxpr.outvars[0].aval
+    assert weak.weak_type, "two weakly typed operands give a weakly typed result, as add does"
+    strong = jax.make_jaxpr(f)(1.0, jnp.float32(2.0)).jaxpr.outvars[0].aval
+    assert not strong.weak_type
+
+
+# --------------------------------------------------------------------- gradients
+def _tie_inputs(rng, shape):
+    a = random_operand(rng, shape, np.float32, specials=False)
+    b = -a.copy()  # a + b == 0 exactly on the first half
+    half = a.size // 2
+    b.reshape(-1)[half:] = random_operand(rng, (a.size - half,), np.float32, specials=False)
+    return a, b
+
+
+@pytest.mark.parametrize(
+    "grad_at_zero,reference_fn",
+    [(0.0, lambda a, b: jax.nn.relu(a + b)), (0.5, lambda a, b: jnp.maximum(a + b, 0))],
+    ids=["relu", "maximum"],
+)
+def test_grad_matches_both_tie_conventions(rng, grad_at_zero, reference_fn):
+    a, b = _tie_inputs(rng, (6, 7))
+    w = random_operand(rng, (6, 7), np.float32, specials=False)
+    fused = lambda a, b: jnp.sum(w * jaxfuse.add_relu(a, b, grad_at_zero=grad_at_zero))
+    plain = lambda a, b: jnp.sum(w * reference_fn(a, b))
+    got = jax.jit(jax.grad(fused, (0, 1)))(a, b)
+    want = jax.jit(jax.grad(plain, (0, 1)))(a, b)
+    for g, r in zip(got, want):
+        assert_bitwise_equal(g, r)
+    # the tie convention really shows: half the elements sit exactly at 0
+    assert np.any(np.asarray(got[0]) == (grad_at_zero * np.asarray(w)))
+
+
+@pytest.mark.parametrize("grad_at_zero", [0.0, 0.5])
+def test_grad_through_bias_broadcast_and_specials(rng, grad_at_zero):
+    x = random_operand(rng, (16, 9), np.float32)
+    bias = random_operand(rng, (9,), np.float32)
+    spelled = jax.nn.relu if grad_at_zero == 0.0 else (lambda y: jnp.maximum(y, 0))
+    fused = lambda x, b: jnp.sum(jaxfuse.add_relu(x, b, grad_at_zero=grad_at_zero) ** 2)
+    plain = lambda x, b: jnp.sum(spelled(x + b) ** 2)
+    got = jax.jit(jax.grad(fused, (0, 1)))(x, bias)
+    want = jax.jit(jax.grad(plain, (0, 1)))(x, bias)
+    for g, r in zip(got, want):
+        assert_bitwise_equal(g, r)
+
+
+def test_jacfwd_and_jacrev(rng):
+    a, b = _tie_inputs(rng, (3, 4))
+    for jac in (jax.jacfwd, jax.jacrev):
+        got = jac(lambda a: jaxfuse.add_relu(a, b, grad_at_zero=0.5))(a)
+        want = jac(lambda a: jnp.maximum(a + b, 0))(a)
+        assert_bitwise_equal(got, want)
+        got = jac(lambda b: jaxfuse.add_relu(a, b))(b)
+        want = jac(lambda b: jax.nn.relu(a + b))(b)
+        assert_bitwise_equal(got, want)
+
+
+def test_second_order_grad_is_zero_like_relu(rng):
+    a = random_operand(rng, (5,), np.float32, specials=False)
+    h = jax.hessian(lambda a: jnp.sum(jaxfuse.add_relu(a, a) * a))(a)
+    want = jax.hessian(lambda a: jnp.sum(jax.nn.relu(a + a) * a))(a)
+    np.testing.assert_array_equal(h, want)
+
+
+# ---------------------------------------------------------------------- batching
+@pytest.mark.parametrize(
+    "in_axes,a_shape,b_shape",
+    [
+        ((0, 0), (5, 3, 4), (5, 3, 4)),
+        ((1, None), (3, 5, 4), (3, 4)),
+        ((None, 2), (3, 4), (3, 4, 5)),
+        ((0, None), (5, 3, 4), (1, 4)),
+        ((2, 0), (3, 4, 5), (5, 1, 4)),
+        ((0, None), (5, 3), ()),
+        ((0, 0), (5,), (5,)),
+        ((None, 0), (3, 4), (5,)),
+    ],
+    ids=str,
+)
+def test_vmap(rng, in_axes, a_shape, b_shape):
+    a, b = random_operand(rng, a_shape, np.float32), random_operand(rng, b_shape, np.float32)
+    got = jax.jit(jax.vmap(jaxfuse.add_relu, in_axes=in_axes))(a, b)
+    want = jax.vmap(lambda a, b: jnp.maximum(a + b, 0), in_axes=in_axes)(a, b)
+    assert_bitwise_equal(got, want)
+    # the batching rule re-binds the fused op rather than looping
+    jaxpr = jax.make_jaxpr(jax.vmap(jaxfuse.add_relu, in_axes=in_axes))(a, b)
+    prims = [e.primitive for e in jaxpr.eqns]
+    assert prims.count(add_relu_p) == 1 and not any(p.name in ("scan", "while") for p in prims)
+
+
+def test_vmap_of_grad_and_nested_vmap(rng):
+    a, b = _tie_inputs(rng, (4, 6))
+    f = lambda a, b: jnp.sum(jaxfuse.add_relu(a, b, grad_at_zero=0.5) * a)
+    g = lambda a, b: jnp.sum(jnp.maximum(a + b, 0) * a)
+    assert_bitwise_equal(jax.vmap(jax.grad(f))(a, b), jax.vmap(jax.grad(g))(a, b))
+    nested = jax.vmap(jax.vmap(jaxfuse.add_relu, in_axes=(0, None)), in_axes=(None, 0))
+    assert_bitwise_equal(nested(a[0], b), jax.vmap(jax.vmap(lambda x, y: jnp.maximum(x + y, 0), (0, None)), (None, 0))(a[0], b))
+
+
+# ---------------------------------------------------------------------- lowering
+def test_cpu_kernel_is_built_and_registered():
+    k = jaxfuse.kernels()
+    assert set(k) == {"cpu", "cuda"}
+    assert k["cpu"] is True, f"the CPU kernel must be built here: {jaxfuse._kernels.why_not('cpu')}"
+
+
+def test_lowered_module_holds_our_custom_call(rng):
+    a, b = random_operand(rng, (4, 8), np.float32), random_operand(rng, (8,), np.float32)
+    text = jax.jit(jaxfuse.add_relu).lower(a, b).as_text()
+    assert "stablehlo.custom_call @jaxfuse_add_relu" in text
+    assert "stablehlo.maximum" not in text
+    compiled = jax.jit(jaxfuse.add_relu).lower(a, b).compile().as_text()
+    assert "jaxfuse_add_relu" in compiled
+
+
+def test_fallback_lowering_matches_and_warns_once(rng):
+    a, b = random_operand(rng, (33, 5), np.float32), random_operand(rng, (1, 5), np.float32)
+    _lowering._warned.clear()
+    with _lowering.kernels_disabled(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f = jax.jit(lambda a, b: jaxfuse.add_relu(a, b))
+        text = f.lower(a, b).as_text()
+        out = f(a, b)
+        jax.jit(lambda a, b: jaxfuse.add_relu(b, a)).lower(a, b)
+    assert "custom_call" not in text and "stablehlo.maximum" in text
+    assert_bitwise_equal(out, reference(a, b))
+    msgs = [str(w.message) for w in caught if "jaxfuse: no kernel" in str(w.message)]
+    assert len(msgs) == 1, msgs
+
+
+def test_other_platforms_lower_to_the_fallback():
+    a = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        text = jax.jit(jaxfuse.add_relu).trace(a, a).lower(lowering_platforms=("tpu",)).as_text()
+    assert "custom_call" not in text and "stablehlo.maximum" in text
+
+
+def test_grad_lowering_still_uses_kernel(rng):
+    a, b = random_operand(rng, (4, 8), np.float32), random_operand(rng, (4, 8), np.float32)
+    text = jax.jit(jax.grad(lambda a: jnp.sum(jaxfuse.add_relu(a, b)))).lower(a).as_text()
+    assert "@jaxfuse_add_relu" in text
+
+
+# ------------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    "a,b,exc,words",
+    [
+        (np.ones(3, np.int32), np.ones(3, np.int32), TypeError, ["int32", "not served"]),
+        (np.ones(3, np.float32), np.ones(3, jnp.float16), TypeError, ["float32", "float16"]),
+        (np.ones(3, np.complex64), np.ones(3, np.complex64), TypeError, ["complex64"]),
+        (np.ones(3, bool), np.ones(3, bool), TypeError, ["bool"]),
+        (np.ones((3, 4), np.float32), np.ones((3, 5), np.float32), ValueError, ["(3, 4)", "(3, 5)"]),
+        (np.ones((2, 3), np.float32), np.ones((4,), np.float32), ValueError, ["do not broadcast"]),
+    ],
+    ids=["int", "mixed", "complex", "bool", "shape", "rank-promoted-shape"],
+)
+def test_bad_input_raises_at_trace_time(a, b, exc, words):
+    with pytest.raises(exc) as info:
+        jax.make_jaxpr(jaxfuse.add_relu)(a, b)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_primitive_rejects_unequal_ranks():
+    with pytest.raises(ValueError, match="equal rank"):
+        jax.make_jaxpr(lambda a, b: add_relu_p.bind(a, b, grad_at_zero=0.0))(
+            np.ones((2, 3), np.float32), np.ones((3,), np.float32)
+        )
+
+
+@pytest.mark.parametrize("g", [-0.1, 1.5, "relu", None])
+def test_bad_grad_at_zero(g):
+    with pytest.raises(ValueError, match="grad_at_zero"):
+        jaxfuse.add_relu(np.ones(2, np.float32), np.ones(2, np.float32), grad_at_zero=g)
