@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+# The SPMD tests need several devices; on CPU, XLA makes them up. This must be
+# set before jax creates its CPU client, i.e. before any test runs.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
 import jax
 import numpy as np
 import pytest
