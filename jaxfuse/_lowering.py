@@ -14,11 +14,11 @@ import threading
 import warnings
 
 import jax
-from jax.interpreters import mlir
+from jax._src.interpreters import mlir  # public jax.interpreters.mlir lacks reshape
 
 from . import _kernels
 from ._primitive import add_relu_p, add_relu_reference
-from ._sharding import attach_sharding_rule
+from ._sharding import attach_sharding_rule, lower_gspmd, needs_gspmd_partitioning
 
 _state = threading.local()
 _warned: set[str] = set()
@@ -68,12 +68,34 @@ def _default_lowering(ctx, a, b, **params):
 _ffi_call_lowering = jax.ffi.build_ffi_lowering_function(_kernels.TARGET)
 
 
+def _local_call(a, b):
+    """The kernel on one device's shards (GSPMD's per-device computation)."""
+    out = jax.eval_shape(lambda a, b: a + b, a, b)
+    return jax.ffi.ffi_call(_kernels.TARGET, jax.ShapeDtypeStruct(out.shape, out.dtype))(a, b)
+
+
+def _scalars_to_rank(ctx, operands):
+    """The kernel wants equal ranks: a scalar becomes all size-1 dims (a free reshape)."""
+    rank = ctx.avals_out[0].ndim
+    avals, values = [], []
+    for aval, x in zip(ctx.avals_in, operands):
+        if aval.ndim != rank:
+            aval = aval.update(shape=(1,) * rank)
+            x = mlir.reshape(ctx, x, aval)
+        avals.append(aval)
+        values.append(x)
+    return ctx.replace(avals_in=avals), values
+
+
 def _kernel_lowering(platform):
     def lower(ctx, a, b, **params):
         if _kernels_disabled():
             return _fallback(ctx, a, b, platform=platform, why="kernels disabled", **params)
         if not _kernels.kernels().get(platform, False):
             return _fallback(ctx, a, b, platform=platform, why=_kernels.why_not(platform), **params)
+        if needs_gspmd_partitioning(ctx):
+            return lower_gspmd(ctx, a, b, _local_call)
+        ctx, (a, b) = _scalars_to_rank(ctx, (a, b))
         # The kernel takes no attributes: grad_at_zero only matters to the JVP.
         op = _ffi_call_lowering(ctx, a, b)
         attach_sharding_rule(op, ctx)
