@@ -14,11 +14,12 @@ import threading
 import warnings
 
 import jax
+from jax._src import dispatch as _dispatch
 from jax._src.interpreters import mlir  # public jax.interpreters.mlir lacks reshape
 
 from . import _kernels
 from ._primitive import add_relu_p, add_relu_reference
-from ._sharding import attach_sharding_rule, lower_gspmd, needs_gspmd_partitioning
+from ._sharding import is_partitioned, lower_partitioned
 
 _state = threading.local()
 _warned: set[str] = set()
@@ -93,13 +94,11 @@ def _kernel_lowering(platform):
             return _fallback(ctx, a, b, platform=platform, why="kernels disabled", **params)
         if not _kernels.kernels().get(platform, False):
             return _fallback(ctx, a, b, platform=platform, why=_kernels.why_not(platform), **params)
-        if needs_gspmd_partitioning(ctx):
-            return lower_gspmd(ctx, a, b, _local_call)
         ctx, (a, b) = _scalars_to_rank(ctx, (a, b))
+        if is_partitioned(ctx):
+            return lower_partitioned(ctx, a, b, _local_call)
         # The kernel takes no attributes: grad_at_zero only matters to the JVP.
-        op = _ffi_call_lowering(ctx, a, b)
-        attach_sharding_rule(op, ctx)
-        return op.results
+        return _ffi_call_lowering(ctx, a, b).results
 
     return lower
 
@@ -107,3 +106,7 @@ def _kernel_lowering(platform):
 mlir.register_lowering(add_relu_p, _default_lowering)
 for _platform in ("cpu", "cuda"):
     mlir.register_lowering(add_relu_p, _kernel_lowering(_platform), platform=_platform)
+
+# In a partitioned module the lowering wraps the call in custom_partitioning,
+# which needs the concrete devices at lowering time (as cuDNN attention does).
+_dispatch.prim_requires_devices_during_lowering.add(add_relu_p)

@@ -6,23 +6,21 @@ operand dimension gets a factor of its own, of size 1, so a bias `(1, C)`
 sharded along C partitions with the output's C and is never gathered. Without
 this, the partitioner treats the custom call as opaque and all-gathers it.
 
-Shardy (the default partitioner) reads the rule from the custom call's
-`sdy.sharding_rule` attribute. GSPMD, where a jax still offers it, cannot: there
-the call is wrapped in `custom_partitioning`, whose partition callback hands
-every device its own shards.
+XLA's SPMD partitioner does not split a bare custom call even when Shardy has
+propagated a rule onto it (seen: it all-gathers the operands). So in a module
+partitioned across devices the call is wrapped in `custom_partitioning`: Shardy
+propagates through it with the rule below, GSPMD (where a jax still offers it)
+with the `infer_sharding_from_operands` callback, and the partition callback
+hands every device the kernel on its own shards.
 """
 
 from __future__ import annotations
 
 import functools
 
-from jax._src import config as _config
-from jax._src.custom_partitioning_sharding_rule import (
-    ArrayMapping,
-    SdyShardingRule,
-    sdy_sharding_rule_to_mlir,
-)
-from jax._src.sharding_impls import ShardingContext
+from jax._src.custom_partitioning_sharding_rule import ArrayMapping, SdyShardingRule
+from jax._src.lib.mlir import ir
+from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
@@ -45,21 +43,20 @@ def elementwise_rule(operand_shapes, out_shape) -> SdyShardingRule:
     return SdyShardingRule(tuple(operands), results)
 
 
-def attach_sharding_rule(op, ctx: mlir.LoweringRuleContext) -> None:
-    """Attaches the Shardy rule to the custom call `op`."""
-    rule = elementwise_rule([aval.shape for aval in ctx.avals_in], ctx.avals_out[0].shape)
-    op.attributes["sdy.sharding_rule"] = sdy_sharding_rule_to_mlir(
-        rule, [v.type for v in op.operands], [r.type for r in op.results]
-    )
+def _rule_from_types(mesh, operand_types, result_types) -> SdyShardingRule:
+    del mesh
+    shape = lambda t: tuple(ir.RankedTensorType(t).shape)
+    return elementwise_rule([shape(t) for t in operand_types], shape(result_types[0]))
 
 
-# ------------------------------------------------------------------------ GSPMD
-def needs_gspmd_partitioning(ctx: mlir.LoweringRuleContext) -> bool:
-    """True when GSPMD (not Shardy) will partition this module across devices."""
-    if _config.use_shardy_partitioner.value:
-        return False
+def is_partitioned(ctx: mlir.LoweringRuleContext) -> bool:
+    """True when this module will be split across devices by the partitioner."""
     axis_context = ctx.module_context.axis_context
-    return isinstance(axis_context, ShardingContext) and axis_context.num_devices > 1
+    if isinstance(axis_context, ShardingContext):
+        return axis_context.num_devices > 1
+    if isinstance(axis_context, SPMDAxisContext):  # inside shard_map: local unless some axes are auto
+        return set(axis_context.manual_axes) != set(axis_context.mesh.axis_names)
+    return False
 
 
 def _spec_entries(sharding, rank):
@@ -90,8 +87,8 @@ def _infer(mesh, arg_shapes, result_shape):
 
 
 @functools.lru_cache(maxsize=None)
-def gspmd_partitioned(local_call):
-    """`local_call(a, b)` wrapped so GSPMD runs it on each device's shards."""
+def partitioned(local_call):
+    """`local_call(a, b)` wrapped so the partitioner runs it on each device's shards."""
 
     @custom_partitioning
     def call(a, b):
@@ -106,12 +103,14 @@ def gspmd_partitioned(local_call):
         )
         return mesh, local_call, out_sharding, arg_shardings
 
-    call.def_partition(partition=partition, infer_sharding_from_operands=_infer)
+    call.def_partition(
+        partition=partition, infer_sharding_from_operands=_infer, sharding_rule=_rule_from_types
+    )
     return call
 
 
-def lower_gspmd(ctx, a, b, local_call):
-    return mlir.lower_fun(gspmd_partitioned(local_call), multiple_results=False)(ctx, a, b)
+def lower_partitioned(ctx, a, b, local_call):
+    return mlir.lower_fun(partitioned(local_call), multiple_results=False)(ctx, a, b)
 
 
-__all__ = ["attach_sharding_rule", "elementwise_rule", "needs_gspmd_partitioning", "lower_gspmd"]
+__all__ = ["elementwise_rule", "is_partitioned", "lower_partitioned"]
