@@ -105,3 +105,17 @@ def test_shard_map_around_optimized_code(rng):
     f = jax.jit(shard_map(inner, mesh=m, in_specs=(P("x", None), P()), out_specs=P("x", None)))
     assert_bitwise_equal(f(x, b), jax.jit(relu_bias)(x, b))
     assert "@jaxfuse_add_relu" in f.lower(x, b).as_text()  # local: the plain custom call
+
+
+def _gspmd():
+    from jax._src import config
+
+    if not hasattr(config, "use_shardy_partitioner"):
+        pytest.skip("this jax has no switch between Shardy and GSPMD")
+    return config.use_shardy_partitioner(False)
+
+
+@pytest.mark.parametrize("mesh_shape,names,xs,xspec,bs,bspec", [CASES[2], CASES[3], CASES[6]], ids=str)
+def test_gspmd_partitions_without_collectives(rng, mesh_shape, names, xs, xspec, bs, bspec):
+    with _gspmd():
+        _check(relu_bias, mesh(mesh_shape, names), xs, xspec, bs, bspec, rng)
