@@ -67,7 +67,9 @@ def test_every_special_pair(dtype):
     with x64(dtype):
         a = np.repeat(specials, specials.size).astype(dtype)
         b = np.tile(specials, specials.size).astype(dtype)
-        assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), reference(a, b))
+        # same-shape wide types: XLA:CPU's NaN bits are consistent here, so match them
+        strict = np.dtype(dtype) in (np.float32, np.float64)
+        assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), reference(a, b), nan_bits=strict)
 
 
 def test_rounding_of_narrow_types_is_done_once(rng):
