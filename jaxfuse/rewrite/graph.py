@@ -1,0 +1,104 @@
+"""A read-only view of one jaxpr for pattern matchers: who produces a value,
+how often it is used, and what a value provably is when it is a constant."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import _compat as C
+
+# Equations that only reshape or retype a constant: looking through them keeps
+# its value known (a broadcast zero is still zero, int 0 converts to +0.0).
+_CONST_PRESERVING = {
+    "broadcast_in_dim": lambda v, p: v,
+    "reshape": lambda v, p: v,
+    "squeeze": lambda v, p: v,
+    "expand_dims": lambda v, p: v,
+    "convert_element_type": lambda v, p: v.astype(p["new_dtype"]),
+    # shard_map marks a replicated constant as varying over manual axes: same value
+    "pvary": lambda v, p: v,
+}
+
+
+class Graph:
+    """Producers, use counts and constants of one jaxpr.
+
+    Uses are every appearance of a variable among equation operands plus each
+    appearance among the jaxpr's outputs. `outer` binds this jaxpr's invars to
+    atoms of an enclosing graph (set when a matcher looks inside a call's body),
+    so a constant passed into the call stays known.
+    """
+
+    def __init__(self, jaxpr: C.Jaxpr, consts=None, outer: Mapping | None = None):
+        self.jaxpr = jaxpr
+        self._consts = dict(zip(jaxpr.constvars, consts)) if consts is not None else {}
+        self._outer = dict(outer or {})
+        self._producer: dict[Any, C.JaxprEqn] = {}
+        self._uses: dict[Any, int] = {}
+        for eqn in jaxpr.eqns:
+            for v in eqn.outvars:
+                self._producer[v] = eqn
+            for a in eqn.invars:
+                if C.is_var(a):
+                    self._uses[a] = self._uses.get(a, 0) + 1
+        self._outputs: dict[Any, int] = {}
+        for a in jaxpr.outvars:
+            if C.is_var(a):
+                self._outputs[a] = self._outputs.get(a, 0) + 1
+                self._uses[a] = self._uses.get(a, 0) + 1
+
+    @property
+    def eqns(self):
+        return self.jaxpr.eqns
+
+    def producer(self, atom) -> C.JaxprEqn | None:
+        """The equation defining `atom` here (None for literals, invars, constvars)."""
+        return self._producer.get(atom) if C.is_var(atom) else None
+
+    def uses(self, atom) -> int:
+        return self._uses.get(atom, 0) if C.is_var(atom) else 0
+
+    def is_output(self, atom) -> bool:
+        return C.is_var(atom) and atom in self._outputs
+
+    def users(self, atom) -> list[C.JaxprEqn]:
+        return [e for e in self.jaxpr.eqns if any(a is atom for a in e.invars)]
+
+    def sub(self, jaxpr: C.Jaxpr, consts, operands) -> "Graph":
+        """A graph of a callee body whose invars are bound to `operands` here."""
+        outer = {v: (self, a) for v, a in zip(jaxpr.invars, operands)}
+        return Graph(jaxpr, consts, outer)
+
+    def const_value(self, atom) -> np.ndarray | None:
+        """The value of `atom` when it is provably a constant, else None."""
+        lit = C.literal_value(atom)
+        if lit is not None:
+            return lit
+        if atom in self._consts:
+            return _concrete(self._consts[atom])
+        if atom in self._outer:
+            graph, outer_atom = self._outer[atom]
+            return graph.const_value(outer_atom)
+        eqn = self.producer(atom)
+        if eqn is None or eqn.effects or eqn.primitive.name not in _CONST_PRESERVING:
+            return None
+        # pvary takes several operands; its i-th result is its i-th operand
+        src = self.const_value(eqn.invars[_index(eqn.outvars, atom)])
+        if src is None:
+            return None
+        return _CONST_PRESERVING[eqn.primitive.name](src, eqn.params)
+
+
+def _index(outvars, atom) -> int:
+    return next(i for i, v in enumerate(outvars) if v is atom)
+
+
+def _concrete(x) -> np.ndarray | None:
+    if isinstance(x, C.Tracer):
+        return None  # closed over from an enclosing trace: value unknown
+    try:
+        return np.asarray(x)
+    except Exception:  # noqa: BLE001 - anything not convertible is not a known constant
+        return None

@@ -1,0 +1,96 @@
+"""Patterns are data: a matcher, a safety predicate and a replacement builder.
+
+The walker (`walker.py`) knows nothing about any particular operation; it
+offers each equation to the registered patterns whose `roots` name its
+primitive, and records every decline with the pattern's reason.
+
+Writing a pattern::
+
+    def match(eqn, graph):        # -> Match | None  (None: not a candidate)
+    def check(match, graph):      # -> str | None     (a reason to decline)
+    def build(match, graph):      # -> list of equations defining match.root.outvars
+
+    jaxfuse.register_pattern(jaxfuse.Pattern("my_fusion", match, check, build,
+                                             roots={"max"}))
+
+A `Match` names the equations it absorbs (`eqns`, root included). The walker
+itself declines a match whose absorbed intermediates are used outside it or
+are outputs of the jaxpr, or that overlaps an earlier rewrite, so `check` only
+needs the pattern's own conditions (dtypes, shapes, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from . import _compat as C
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Match:
+    root: C.JaxprEqn
+    """The equation whose outputs the replacement defines (the site)."""
+    eqns: tuple
+    """Every equation the replacement absorbs, root included."""
+    operands: tuple
+    """The atoms the replacement reads (shown in reports as shapes/dtypes)."""
+    spelling: str = ""
+    """How the site is written in user terms, e.g. `jax.nn.relu` (for reports)."""
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Pattern-private data passed from `match` to `check` and `build`."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pattern:
+    name: str
+    match: Callable[[C.JaxprEqn, Any], Match | None]
+    check: Callable[[Match, Any], str | None]
+    build: Callable[[Match, Any], Sequence[C.JaxprEqn]]
+    roots: frozenset | None = None
+    """Primitive names a match can be rooted at; None offers every equation."""
+    doc: str = ""
+
+    def __post_init__(self):
+        if self.roots is not None:
+            object.__setattr__(self, "roots", frozenset(self.roots))
+
+
+_REGISTRY: dict[str, Pattern] = {}
+
+
+def register_pattern(pattern: Pattern, *, replace: bool = False) -> Pattern:
+    """Adds `pattern` to the patterns `optimize` and `explain` use by default."""
+    if not isinstance(pattern, Pattern):
+        raise TypeError(f"expected a jaxfuse.Pattern, got {type(pattern).__name__}")
+    if pattern.name in _REGISTRY and not replace:
+        raise ValueError(f"a pattern named {pattern.name!r} is already registered "
+                         f"(pass replace=True to replace it)")
+    _REGISTRY[pattern.name] = pattern
+    return pattern
+
+
+def unregister_pattern(name: str) -> Pattern:
+    return _REGISTRY.pop(name)
+
+
+def registered_patterns() -> tuple[Pattern, ...]:
+    return tuple(_REGISTRY.values())
+
+
+def resolve(patterns: Iterable[Pattern | str] | None) -> tuple[Pattern, ...]:
+    """Patterns to use: all registered ones (None), or the given names/objects."""
+    if patterns is None:
+        return registered_patterns()
+    if isinstance(patterns, (str, Pattern)):
+        patterns = (patterns,)
+    out = []
+    for p in patterns:
+        if isinstance(p, str):
+            if p not in _REGISTRY:
+                raise KeyError(f"no pattern named {p!r}; registered: {sorted(_REGISTRY)}")
+            p = _REGISTRY[p]
+        elif not isinstance(p, Pattern):
+            raise TypeError(f"expected a Pattern or a pattern name, got {p!r}")
+        out.append(p)
+    return tuple(out)

@@ -1,0 +1,128 @@
+"""What the pass did at each candidate site, and why it declined where it did."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from . import _compat as C
+
+
+class _Located:
+    """Mixin: a lazily computed user location from a chain of source infos.
+
+    The chain runs from the site outwards through the enclosing equations, so
+    a site inside library code (the `max` in `jax.nn.relu`) or a body traced
+    without user frames reports the nearest line of the user's own code.
+    """
+
+    _sources: tuple
+    _fallback: tuple | None
+
+    @property
+    def file_line(self) -> tuple[str, int] | None:
+        """(file, line) in the user's code; last resort: where the function was defined."""
+        cached = self.__dict__.get("_file_line", ())
+        if cached == ():
+            cached = C.first_user_frame(self._sources) or self._fallback
+            self.__dict__["_file_line"] = cached
+        return cached
+
+    @property
+    def location(self) -> str:
+        """`file:line` of the user's code (relative to the cwd when inside it)."""
+        fl = self.file_line
+        if fl is None:
+            return "<unknown>"
+        file, line = fl
+        try:
+            rel = os.path.relpath(file)
+            file = rel if not rel.startswith("..") else file
+        except ValueError:  # different drive on Windows
+            pass
+        return f"{file}:{line}"
+
+
+@dataclasses.dataclass(eq=False)
+class Site(_Located):
+    """One candidate site: a place a pattern matched, fused or not."""
+
+    pattern: str
+    fused: bool
+    reason: str | None
+    spelling: str
+    path: str
+    """Nesting path of the jaxpr holding the site, e.g. `jit[f]/scan/body` ('' at top)."""
+    shapes: tuple
+    """Operand shapes."""
+    dtypes: tuple
+    """Operand dtype names."""
+    out_shape: tuple
+    _sources: tuple = dataclasses.field(default=(), repr=False)
+    _fallback: tuple | None = dataclasses.field(default=None, repr=False)
+
+    def __repr__(self):
+        status = "fused" if self.fused else f"rejected: {self.reason}"
+        return f"Site({self.pattern} at {self.location} [{self.path or 'top'}] {status})"
+
+
+@dataclasses.dataclass(eq=False)
+class Skipped(_Located):
+    """A higher-order primitive the pass does not know and left untouched."""
+
+    primitive: str
+    path: str
+    _sources: tuple = dataclasses.field(default=(), repr=False)
+    _fallback: tuple | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def reason(self) -> str:
+        return f"not descending into unknown higher-order primitive `{self.primitive}`"
+
+    def __repr__(self):
+        return f"Skipped({self.primitive} at {self.location} [{self.path or 'top'}])"
+
+
+@dataclasses.dataclass(eq=False)
+class Report:
+    """Every candidate site, in program order (post-order through nested jaxprs)."""
+
+    sites: list
+    skipped: list
+    jaxpr: Any = dataclasses.field(default=None, repr=False)
+    """The rewritten ClosedJaxpr."""
+
+    @property
+    def fused(self) -> list[Site]:
+        return [s for s in self.sites if s.fused]
+
+    @property
+    def rejected(self) -> list[Site]:
+        return [s for s in self.sites if not s.fused]
+
+    def __iter__(self):
+        return iter(self.sites)
+
+    def __len__(self):
+        return len(self.sites)
+
+    def __str__(self) -> str:
+        header = ("pattern", "status", "location", "path", "spelling", "operands", "reason")
+        rows = []
+        for s in self.sites:
+            operands = ", ".join(f"{d}{list(sh)}" for sh, d in zip(s.shapes, s.dtypes))
+            rows.append((s.pattern, "fused" if s.fused else "rejected", s.location,
+                         s.path or "-", s.spelling, operands, s.reason or ""))
+        for k in self.skipped:
+            rows.append(("-", "skipped", k.location, k.path or "-", k.primitive, "", k.reason))
+        summary = (f"{len(self.fused)} fused, {len(self.rejected)} rejected"
+                   + (f", {len(self.skipped)} unknown higher-order primitive(s) skipped"
+                      if self.skipped else ""))
+        if not rows:
+            return f"jaxfuse: no candidate sites ({summary})"
+        widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+        lines += [fmt.format(*r).rstrip() for r in rows]
+        return "\n".join([*lines, summary])

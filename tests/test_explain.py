@@ -1,0 +1,131 @@
+"""`jaxfuse.explain`: one entry per candidate site, with the user's file:line,
+shapes, dtypes, nesting path and the reason for every decline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import jaxfuse
+
+pytestmark = pytest.mark.filterwarnings("ignore:jaxfuse. no kernel:RuntimeWarning")
+
+_SOURCE = open(__file__).read().splitlines()
+
+
+def line_of(marker: str) -> str:
+    """`test_explain.py:N` for the line carrying `# <marker>`."""
+    (n,) = [i + 1 for i, l in enumerate(_SOURCE) if l.rstrip().endswith(f"# <{marker}>")]
+    return f"test_explain.py:{n}"
+
+
+@jax.jit
+def helper(x):
+    return jnp.clip(x * 2.0 + 1.0, 0)  # <helper>
+
+
+def program(a, b, i):
+    h = jax.nn.relu(a + b)  # <nn-relu>
+    t = a * 2.0 + b
+    u = jnp.maximum(t, 0.0) * t  # <reused>
+    k = jnp.maximum(i + 1, 0)  # <int>
+
+    def body(c, x):
+        return jnp.maximum(c + x, 0.0), None  # <scan>
+
+    c, _ = lax.scan(body, b, a)
+    d = lax.cond(c[0] > 0, lambda z: jax.nn.relu(z + 1.0),  # <cond>
+                 lambda z: z, c)
+    return h, u, k, d, helper(a)
+
+
+@pytest.fixture
+def report():
+    a = jnp.ones((4, 8), jnp.float32)
+    b = jnp.ones((8,), jnp.float32)
+    i = jnp.ones((3,), jnp.int32)
+    return jaxfuse.explain(program, a, b, i)
+
+
+def by_location(report):
+    return {s.location.rsplit("/", 1)[-1]: s for s in report}
+
+
+def test_one_entry_per_candidate_site(report):
+    sites = by_location(report)
+    assert set(sites) == {line_of(m) for m in ("nn-relu", "reused", "int", "scan", "cond", "helper")}
+    assert len(report) == 6
+    assert len(report.fused) == 4 and len(report.rejected) == 2
+    assert all(s.pattern == "add_relu" for s in report)
+
+
+def test_entries_carry_reason_location_shapes_dtypes_and_path(report):
+    sites = by_location(report)
+    relu = sites[line_of("nn-relu")]
+    # The max lives in jax's own relu; the location is the user's call.
+    assert relu.fused and relu.reason is None and relu.spelling == "jax.nn.relu"
+    assert relu.shapes == ((4, 8), (1, 8)) and relu.dtypes == ("float32", "float32")
+    assert relu.out_shape == (4, 8) and relu.path == ""
+
+    reused = sites[line_of("reused")]
+    assert not reused.fused and "2 uses" in reused.reason
+
+    ints = sites[line_of("int")]
+    assert not ints.fused and "int32" in ints.reason and ints.dtypes == ("int32", "int32")
+
+    assert sites[line_of("scan")].path == "scan/body"
+    assert sites[line_of("cond")].path == "cond/branch1"
+    helper_site = sites[line_of("helper")]
+    assert helper_site.path == "jit[helper]" and helper_site.spelling == "jnp.clip(y, 0)"
+
+
+def test_location_is_a_file_line_of_user_code(report):
+    for s in report:
+        file, line = s.file_line
+        assert file.endswith("test_explain.py") and int(line) > 0
+        assert s.location.endswith(f"test_explain.py:{line}")
+
+
+def test_str_is_a_readable_table(report):
+    text = str(report)
+    lines = text.splitlines()
+    assert lines[0].split()[:4] == ["pattern", "status", "location", "path"]
+    assert "4 fused, 2 rejected" in lines[-1]
+    assert "dtype int32 is not served" in text
+    assert line_of("nn-relu") in text and "scan/body" in text
+
+
+def test_unknown_higher_order_primitive_is_named():
+    mesh = jax.make_mesh((1,), ("x",))
+    P = jax.sharding.PartitionSpec
+    f = jax.shard_map(lambda x: jax.nn.relu(x + 1.0), mesh=mesh, in_specs=P(), out_specs=P())
+    report = jaxfuse.explain(f, jnp.ones(4))
+    assert [k.primitive for k in report.skipped] == ["shard_map"]
+    assert report.skipped[0].location.endswith(".py:" + report.skipped[0].location.rsplit(":", 1)[1])
+    assert "shard_map" in str(report)
+
+
+def test_explain_of_an_optimized_function_explains_what_it_fuses():
+    opt = jaxfuse.optimize(lambda a, n: jax.nn.relu(a + 1.0) * n, static_argnums=1)
+    report = jaxfuse.explain(opt, jnp.ones(4), 3)
+    assert len(report.fused) == 1
+    assert "no candidate sites" in str(jaxfuse.explain(lambda a: a * 2, jnp.ones(3)))
+
+
+def test_explain_takes_shape_dtype_structs_and_static_leaves():
+    def f(x, mode):
+        return jax.nn.relu(x + 1.0) if mode == "relu" else x
+
+    spec = jax.ShapeDtypeStruct((2, 3), jnp.bfloat16)
+    report = jaxfuse.explain(f, spec, "relu")
+    assert len(report.fused) == 1 and report.fused[0].dtypes == ("bfloat16", "bfloat16")
+    assert len(jaxfuse.explain(f, spec, "identity")) == 0
+
+
+def test_report_jaxpr_is_the_rewritten_program():
+    report = jaxfuse.explain(lambda a: jax.nn.relu(a + 1.0), np.ones(3, np.float32))
+    assert "jaxfuse_add_relu" in str(report.jaxpr)

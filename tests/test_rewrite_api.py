@@ -1,0 +1,150 @@
+"""`jaxfuse.optimize`: calling convention, jit caching, composition with
+transformations, idempotence (jaxfuse.rewrite.api)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+import jaxfuse.rewrite.api as api
+from conftest import assert_bitwise_equal, random_operand
+from rewrite_support import assert_trees, assert_values, fused_count, kernel_active
+
+pytestmark = pytest.mark.filterwarnings("ignore:jaxfuse. no kernel:RuntimeWarning")
+
+
+def model(a, b):
+    h = jax.nn.relu(a + b)
+    return jnp.sum(jnp.maximum(h * a + b, 0) * jnp.clip(a - 1.0 + b, 0)) + h.mean()
+
+
+@pytest.fixture
+def ab(rng):
+    a = random_operand(rng, (4, 8), np.float32)
+    b = random_operand(rng, (8,), np.float32)
+    a[0] = -b  # exact ties
+    return jnp.asarray(a), jnp.asarray(b)
+
+
+def test_decorator_forms(ab):
+    @jaxfuse.optimize
+    def f1(a, b):
+        return model(a, b)
+
+    @jaxfuse.optimize(patterns=["add_relu"])
+    def f2(a, b):
+        return model(a, b)
+
+    @jaxfuse.optimize(patterns=[])
+    def f3(a, b):
+        return model(a, b)
+
+    ref = jax.jit(model)(*ab)
+    for f, n in ((f1, 3), (f2, 3), (f3, 0)):
+        assert_values(f(*ab), ref)
+        assert fused_count(jax.make_jaxpr(f)(*ab)) == n
+    assert f1.__name__ == "f1"
+
+
+def test_pytrees_kwargs_and_static_arguments(ab):
+    def f(params, x, *, scale, mode):
+        h = jax.nn.relu(x @ params["w"] + params["b"]) * scale
+        return {"out": h if mode == "relu" else -h, "aux": [h.sum(), x]}
+
+    params = {"w": jnp.ones((8, 8)) * 0.5, "b": ab[1]}
+    g = jaxfuse.optimize(f, static_argnames="mode")
+    got = g(params, ab[0], scale=2.0, mode="relu")
+    assert_values(got, jax.jit(f, static_argnames="mode")(params, ab[0], scale=2.0, mode="relu"))
+    got = g(params, ab[0], scale=2.0, mode="neg")
+    assert_values(got, jax.jit(f, static_argnames="mode")(params, ab[0], scale=2.0, mode="neg"))
+
+    h = jaxfuse.optimize(lambda n, x: jax.nn.relu(x + 1.0) * n, static_argnums=0)
+    assert_bitwise_equal(h(3, ab[0]), jax.nn.relu(ab[0] + 1.0) * 3)
+
+
+def test_cache_hit_neither_retraces_nor_rewrites(ab, monkeypatch):
+    calls = {"trace": 0, "rewrite": 0}
+    real_rewrite = api.rewrite
+
+    def counting_rewrite(*a, **k):
+        calls["rewrite"] += 1
+        return real_rewrite(*a, **k)
+
+    monkeypatch.setattr(api, "rewrite", counting_rewrite)
+
+    def f(a, b):
+        calls["trace"] += 1
+        return model(a, b)
+
+    g = jaxfuse.optimize(f)
+    for _ in range(3):
+        g(*ab)
+    g(ab[0] + 1.0, ab[1])  # new values, same shapes and dtypes
+    assert calls == {"trace": 1, "rewrite": 1}
+    g(ab[0][:2], ab[1])  # new shape: one more of each
+    assert calls == {"trace": 2, "rewrite": 2}
+
+
+TRANSFORMS = {
+    "grad": lambda h: jax.grad(h, argnums=(0, 1)),
+    "jacfwd": lambda h: jax.jacfwd(h, argnums=(0, 1)),
+    "jacrev": lambda h: jax.jacrev(h, argnums=(0, 1)),
+    "vmap": lambda h: jax.vmap(h, in_axes=(0, None)),
+    "vmap-both": lambda h: jax.vmap(h),
+    "checkpoint": lambda h: jax.checkpoint(h),
+    "jit": jax.jit,
+    "grad-of-grad": lambda h: jax.grad(lambda a, b: jnp.sum(jax.grad(h)(a, b) ** 2)),
+    "vmap-of-grad": lambda h: jax.vmap(jax.grad(h), in_axes=(0, None)),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_composes_with_transformations_in_any_order(name, ab):
+    T = TRANSFORMS[name]
+    a, b = ab
+    if name == "vmap-both":
+        b = jnp.stack([b] * 4)
+    if name.startswith("vmap"):
+        a = a[:, None, :]
+    ref = jax.jit(T(model))(a, b)
+    # Derivatives: equal up to XLA's FMA contraction (see rewrite_support).
+    check = assert_values if name in ("vmap", "vmap-both", "checkpoint", "jit") else (
+        lambda x, y: assert_trees(x, y, exact=False))
+    check(T(jaxfuse.optimize(model))(a, b), ref)   # transform outside
+    check(jaxfuse.optimize(T(model))(a, b), ref)   # transform inside
+    assert fused_count(jax.make_jaxpr(T(jaxfuse.optimize(model)))(a, b)) > 0
+    # Inside a derivative the add result also feeds the JVP mask (2 uses), so
+    # fewer sites are safe there; whatever explain calls fused is what fuses.
+    report = jaxfuse.explain(T(model), a, b)
+    assert fused_count(jax.make_jaxpr(jaxfuse.optimize(T(model)))(a, b)) == len(report.fused)
+    assert all("uses" in s.reason for s in report.rejected)
+
+
+def test_applying_twice_changes_nothing_more(ab):
+    once = jaxfuse.optimize(model)
+    assert jaxfuse.optimize(once) is once
+    # Even through a jit boundary the fused op is never a candidate again.
+    twice = jaxfuse.optimize(jax.jit(once))
+    assert fused_count(jax.make_jaxpr(twice)(*ab)) == fused_count(jax.make_jaxpr(once)(*ab)) == 3
+    assert len(jaxfuse.explain(jax.jit(once), *ab)) == 0
+    assert_values(twice(*ab), jax.jit(model)(*ab))
+
+
+def test_donation_is_forwarded_to_jit(ab):
+    g = jaxfuse.optimize(lambda a, b: jax.nn.relu(a + b), donate_argnums=0)
+    a = jnp.array(ab[0])
+    text = g.lower(a, ab[1]).as_text()
+    assert "tf.aliasing_output" in text or "jax.buffer_donor" in text
+
+
+def test_lowered_program_has_one_custom_call_per_fused_site(ab):
+    if not kernel_active():
+        pytest.skip("no kernel in use here: the fallback lowering emits no custom call")
+    text = jax.jit(jaxfuse.optimize(model)).lower(*ab).as_text()
+    assert len(re.findall(r"custom_call @jaxfuse_add_relu\b", text)) == 3
