@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# The one script for the lent GPU machine (H200): build jaxfuse with its CUDA
+# kernel, run the GPU tests, run the full benchmark.  Everything goes to $OUT:
+#   env.txt          GPU, driver, python, jax, where jaxfuse was imported from, kernels()
+#   build.log        pip install --no-build-isolation (JAXFUSE_CUDA=ON)
+#   pytest_gpu.log   python -m pytest -m gpu
+#   bench.log        the benchmark's table and verdicts
+#   bench_gpu.json   all measurements (rewritten after every group, so a
+#                    timeout still leaves what was measured; "complete": false then)
+#   bench_gpu.png    GB/s vs size with the copy roofline
+#   summary.txt      one line per step: ok / FAILED
+#
+# Nothing can be downloaded there: the build uses the image's own jax, nanobind,
+# scikit-build-core, cmake and ninja (no build isolation, no dependency resolution).
+# Budget: the whole script must end within ~8 minutes (TOTAL_BUDGET_S, default
+# 450 s); the benchmark gets what the build and the tests left, at most 300 s.
+# Exit status: 0 only if the build, the GPU tests and the benchmark all passed;
+# a failed build or failed tests do not stop the later steps.
+#
+# Usage (repository root or anywhere):  OUT=/some/dir bash bench/gpu_check.sh
+# Knobs: PYTHON (default python3), INSTALL_TARGET (install with --target there
+# instead of into the environment), JAXFUSE_CUDA (default ON), TOTAL_BUDGET_S,
+# BUILD_TIMEOUT_S, TEST_TIMEOUT_S, BENCH_MAX_S, BENCH_ARGS (extra benchmark flags).
+# Syntax check on any machine:          bash -n bench/gpu_check.sh
+set -euo pipefail
+
+if [[ -z "${OUT:-}" ]]; then
+  echo "gpu_check.sh: set OUT to the output folder (e.g. OUT=/tmp/out bash bench/gpu_check.sh)" >&2
+  exit 2
+fi
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+TOTAL_BUDGET_S="${TOTAL_BUDGET_S:-450}"
+BUILD_TIMEOUT_S="${BUILD_TIMEOUT_S:-240}"
+TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-120}"
+BENCH_MAX_S="${BENCH_MAX_S:-300}"
+INSTALL_TARGET="${INSTALL_TARGET:-}"  # set: pip install --target there (leaves the environment untouched)
+export PYTHONUNBUFFERED=1  # logs survive a timeout
+T0=$SECONDS
+STATUS=0
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+
+step() {  # step NAME RC
+  if [[ "$2" -eq 0 ]]; then
+    echo "$1: ok" | tee -a "$SUMMARY"
+  else
+    echo "$1: FAILED (exit $2)" | tee -a "$SUMMARY"
+    STATUS=1
+  fi
+}
+
+# Run everything Python from a scratch folder, never the repository root: there
+# `python -m ...` would put the source tree (which has no compiled kernels) ahead
+# of the installed package on sys.path.
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+
+# ------------------------------------------------------------------ environment
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "repo: $REPO  commit: $(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "--- nvidia-smi"
+  nvidia-smi --query-gpu=name,driver_version --format=csv 2>&1 || echo "nvidia-smi failed"
+  echo "--- python"
+  command -v "$PY" || true
+  "$PY" --version 2>&1
+  echo "--- jax"
+  (cd "$WORK" && "$PY" -c 'import jax; print(jax.__version__, jax.devices())') 2>&1 || echo "jax import failed"
+  echo "--- build tools"
+  "$PY" -c 'import nanobind, scikit_build_core; print("nanobind", nanobind.__version__, "scikit-build-core", scikit_build_core.__version__)' 2>&1 || true
+  cmake --version 2>&1 | head -1 || echo "cmake: not found"
+  ninja --version 2>&1 || echo "ninja: not found"
+  nvcc --version 2>&1 | tail -2 || echo "nvcc: not found"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# ------------------------------------------------------------------------ build
+BUILD_RC=0
+if ! "$PY" -c "import nanobind, scikit_build_core" >/dev/null 2>&1; then
+  echo "ERROR: the build needs nanobind and scikit-build-core in $PY's environment" \
+       "(pip install --no-build-isolation cannot fetch them here: nothing can be downloaded)." \
+       "Carry them as wheels or use a python that has them (PYTHON=...)." | tee "$OUT/build.log" >&2
+  BUILD_RC=3
+else
+  export JAXFUSE_CUDA="${JAXFUSE_CUDA:-ON}"
+  set +e
+  if [[ -n "$INSTALL_TARGET" ]]; then
+    (cd "$REPO" && timeout "$BUILD_TIMEOUT_S" "$PY" -m pip install --no-build-isolation --no-deps \
+       --target "$INSTALL_TARGET" -v . ) >"$OUT/build.log" 2>&1
+    BUILD_RC=$?
+    export PYTHONPATH="$INSTALL_TARGET${PYTHONPATH:+:$PYTHONPATH}"
+    export PATH="$INSTALL_TARGET/bin:$PATH"
+  else
+    (cd "$REPO" && timeout "$BUILD_TIMEOUT_S" "$PY" -m pip install --no-build-isolation --no-deps -v . ) \
+      >"$OUT/build.log" 2>&1
+    BUILD_RC=$?
+  fi
+  if [[ $BUILD_RC -ne 0 && -z "$INSTALL_TARGET" ]] && grep -qiE "permission denied|not writeable|read-only" "$OUT/build.log"; then
+    # The image's site-packages is not writable: install into a private folder.
+    echo "--- retrying with --target $WORK/site" >>"$OUT/build.log"
+    (cd "$REPO" && timeout "$BUILD_TIMEOUT_S" "$PY" -m pip install --no-build-isolation --no-deps \
+       --target "$WORK/site" -v . ) >>"$OUT/build.log" 2>&1
+    BUILD_RC=$?
+    if [[ $BUILD_RC -eq 0 ]]; then
+      export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+      export PATH="$WORK/site/bin:$PATH"
+    fi
+  fi
+  set -e
+  tail -n 25 "$OUT/build.log"
+fi
+step build "$BUILD_RC"
+if [[ $BUILD_RC -ne 0 ]]; then
+  # Still measure XLA and the unfused path; the benchmark labels the jaxfuse
+  # mode FALLBACK loudly when no kernel is there.
+  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+(cd "$WORK" && "$PY" -c '
+import jaxfuse, jaxfuse._kernels as k
+print("jaxfuse imported from", jaxfuse.__file__)
+print("kernels()", jaxfuse.kernels(), "| cuda:", k.why_not("cuda") or "ok")
+') 2>&1 | tee -a "$OUT/env.txt" || true
+
+# ------------------------------------------------------------------------ tests
+set +e
+(cd "$WORK" && timeout "$TEST_TIMEOUT_S" "$PY" -m pytest "$REPO/tests" -m gpu -q -rs -p no:cacheprovider) \
+  >"$OUT/pytest_gpu.log" 2>&1
+TEST_RC=$?
+set -e
+tail -n 25 "$OUT/pytest_gpu.log"
+step "pytest -m gpu" "$TEST_RC"
+
+# -------------------------------------------------------------------- benchmark
+LEFT=$(( TOTAL_BUDGET_S - (SECONDS - T0) - 15 ))
+(( LEFT > BENCH_MAX_S )) && LEFT=$BENCH_MAX_S
+(( LEFT < 60 )) && LEFT=60
+echo "benchmark: ${LEFT}s budget"
+if command -v jaxfuse-bench >/dev/null 2>&1 && [[ $BUILD_RC -eq 0 ]]; then
+  BENCH=(jaxfuse-bench)
+else
+  BENCH=("$PY" -m jaxfuse.bench)
+fi
+set +e
+# shellcheck disable=SC2086
+(cd "$WORK" && timeout "$LEFT" "${BENCH[@]}" --no-progress ${BENCH_ARGS:-} \
+   --json "$OUT/bench_gpu.json" --plot "$OUT/bench_gpu.png") >"$OUT/bench.log" 2>&1
+BENCH_RC=$?
+set -e
+tail -n 60 "$OUT/bench.log"
+step "benchmark (exit 124 = timed out; partial JSON kept)" "$BENCH_RC"
+
+echo "elapsed: $(( SECONDS - T0 ))s" | tee -a "$SUMMARY"
+cat "$SUMMARY"
+exit "$STATUS"
