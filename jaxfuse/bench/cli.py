@@ -155,7 +155,8 @@ def run(args) -> int:
         "jax_version": jax.__version__,
         "jaxlib_version": jaxlib.__version__,
         "jaxfuse_version": getattr(jaxfuse, "__version__", None),
-        "jaxfuse_path": os.path.dirname(os.path.abspath(jaxfuse.__file__)),
+        # where jaxfuse came from, without writing a machine's paths into results
+        "jaxfuse_from": "installed package" if "site-packages" in jaxfuse.__file__ else "source tree",
         "python": _platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "copy_gbps": None,
