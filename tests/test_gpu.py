@@ -61,9 +61,9 @@ def test_every_special_pair_gpu(dtype):
     assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), _reference(a, b))
 
 
-def test_unaligned_views_take_the_scalar_path(rng):
-    # Slicing inside jit hands the kernel buffers XLA chose; offsets by one
-    # element exercise the unaligned (non-vector) path.
+def test_operands_computed_inside_the_same_jit(rng):
+    # Operands produced by other ops of the same program: buffers XLA chose,
+    # odd length (a vector tail).
     x = jax.device_put(random_operand(rng, (4099,), np.float32), _gpu())
     f = jax.jit(lambda x: jaxfuse.add_relu(x[1:], x[:-1]))
     assert_bitwise_equal(f(x), jax.jit(lambda x: jnp.maximum(x[1:] + x[:-1], 0))(x))
