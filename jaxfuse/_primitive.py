@@ -14,11 +14,15 @@ Contract of `add_relu_p.bind(a, b, grad_at_zero=g)`:
 from __future__ import annotations
 
 import functools
+import numbers
 
 import numpy as np
 
 import jax
 from jax import lax
+from jax._src import core as _core
+from jax._src import dispatch as _dispatch
+from jax._src.lax import lax as _lax_internal
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
@@ -80,7 +84,7 @@ def check_dtypes(a_shape, a_dtype, b_shape, b_dtype) -> None:
 
 
 def _check_grad_at_zero(g) -> float:
-    if not isinstance(g, (int, float)) or not 0.0 <= float(g) <= 1.0:
+    if isinstance(g, bool) or not isinstance(g, numbers.Real) or not 0.0 <= float(g) <= 1.0:
         raise ValueError(
             f"jaxfuse.add_relu: grad_at_zero must be a float in [0, 1] "
             f"(0.0 as jax.nn.relu, 0.5 as jnp.maximum), got {g!r}"
@@ -102,42 +106,37 @@ add_relu_p.def_abstract_eval(_abstract_eval)
 
 
 # ------------------------------------------------------------------------- impl
-@functools.lru_cache(maxsize=None)
-def _jitted_bind(grad_at_zero):
-    return jax.jit(functools.partial(add_relu_p.bind, grad_at_zero=grad_at_zero))
-
-
-def _impl(a, b, *, grad_at_zero):
-    # Eager calls compile the primitive alone, as lax's own primitives do.
-    return _jitted_bind(grad_at_zero)(a, b)
-
-
-add_relu_p.def_impl(_impl)
+# Eager calls compile the primitive alone, as lax's own primitives do (and,
+# unlike a jax.jit of the bind, this still works under jax.disable_jit()).
+add_relu_p.def_impl(functools.partial(_dispatch.apply_primitive, add_relu_p))
 
 
 # -------------------------------------------------------------------------- JVP
-def _broadcast_tangent(t, shape):
-    return t if t.shape == tuple(shape) else lax.broadcast_in_dim(
-        t, shape, tuple(range(len(shape) - t.ndim, len(shape)))
-    )
+def _broadcast_tangent(t, out):
+    # Keep the output's sharding: under explicit sharding a replicated tangent
+    # would not meet the sharded mask in the select below.
+    if t.shape == out.shape:
+        return t
+    dims = tuple(range(out.ndim - t.ndim, out.ndim))
+    return lax.broadcast_in_dim(t, out.shape, dims, out_sharding=jax.typeof(out).sharding)
 
 
-def _add_tangents(ta, tb, shape):
+def _add_tangents(ta, tb, out):
     """The tangent of `a + b`, built exactly as lax.add's own JVP builds it."""
     a_zero, b_zero = type(ta) is ad.Zero, type(tb) is ad.Zero
     if a_zero and b_zero:
         return None
     if a_zero:
-        return _broadcast_tangent(tb, shape)
+        return _broadcast_tangent(tb, out)
     if b_zero:
-        return _broadcast_tangent(ta, shape)
+        return _broadcast_tangent(ta, out)
     return lax.add(ta, tb)
 
 
 def _jvp(primals, tangents, *, grad_at_zero):
     a, b = primals
     out = add_relu_p.bind(a, b, grad_at_zero=grad_at_zero)
-    t = _add_tangents(*tangents, out.shape)
+    t = _add_tangents(*tangents, out)
     if t is None:
         return out, ad.Zero.from_primal_value(out)
     zero = lax.full_like(out, 0)
@@ -188,15 +187,22 @@ batching.primitive_batchers[add_relu_p] = _batch
 
 # ------------------------------------------------------------------- public op
 def _as_operand(x, other):
-    """A Python scalar takes the other operand's dtype (weakly typed, as in jnp)."""
+    """An array as jnp sees it; a Python scalar takes the other operand's dtype,
+    weakly typed, as in jnp."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         dtype = getattr(other, "dtype", None)
         if dtype is None or np.dtype(dtype) not in SERVED_DTYPES:
-            dtype = jax.numpy.result_type(float)
-        return lax.full((), x, dtype)
-    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        x = jax.numpy.asarray(x)
+            dtype = float
+        return _lax_internal._convert_element_type(
+            x, jax.dtypes.canonicalize_dtype(dtype), weak_type=True)
+    if not isinstance(x, jax.Array):
+        x = jax.numpy.asarray(x)  # numpy inputs: canonical dtypes (float64 -> float32 under x32)
     return x
+
+
+# Inside shard_map, operands that vary over different manual axes are made to
+# agree the way lax.add does it (the name moved between jax versions).
+_match_varying_axes = getattr(_core, "auto_insert_reshard", None) or (lambda *args: args)
 
 
 def add_relu(a, b, *, grad_at_zero: float = RELU_GRAD_AT_ZERO):
@@ -215,6 +221,7 @@ def add_relu(a, b, *, grad_at_zero: float = RELU_GRAD_AT_ZERO):
         # numpy rank promotion: leading size-1 dims, a reshape XLA makes free.
         rank = max(len(a_shape), len(b_shape))
         a, b = lax.broadcast_to_rank(a, rank), lax.broadcast_to_rank(b, rank)
+    a, b = _match_varying_axes(a, b)
     return add_relu_p.bind(a, b, grad_at_zero=grad_at_zero)
 
 

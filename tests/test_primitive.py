@@ -64,7 +64,7 @@ def test_values_bitwise_equal_xla(rng, dtype, a_shape, b_shape):
 def test_every_special_pair(dtype):
     """Each pair of special values, both operand orders, against XLA."""
     specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 3.5e-45, 65504.0, 7e4])
-    with x64(dtype):
+    with x64(dtype), np.errstate(over="ignore"):  # 7e4 overflows float16 to inf: intended
         a = np.repeat(specials, specials.size).astype(dtype)
         b = np.tile(specials, specials.size).astype(dtype)
         # same-shape wide types: XLA:CPU's NaN bits are consistent here, so match them
@@ -92,6 +92,28 @@ def test_large_array_uses_all_paths(rng):
 def test_eager_call_matches(rng):
     a, b = random_operand(rng, (5, 3), np.float32), random_operand(rng, (3,), np.float32)
     assert_bitwise_equal(jaxfuse.add_relu(a, b), reference(a, b))
+
+
+def test_works_under_disable_jit(rng):
+    a, b = random_operand(rng, (4, 3), np.float32), random_operand(rng, (3,), np.float32)
+    with jax.disable_jit():
+        out = jaxfuse.add_relu(a, b)
+        g = jax.grad(lambda a: jnp.sum(jaxfuse.add_relu(a, b, grad_at_zero=0.5)))(a)
+    assert_bitwise_equal(out, reference(a, b))
+    assert_bitwise_equal(g, jax.grad(lambda a: jnp.sum(jnp.maximum(a + b, 0)))(a))
+
+
+def test_numpy_inputs_are_canonicalized_like_jnp():
+    # float64 numpy data meets float32 jax data: under x32 both are float32, as in jnp
+    out = jaxfuse.add_relu(np.ones(3), jnp.ones(3, jnp.float32))
+    assert out.dtype == jnp.float32
+
+
+def test_python_scalars_are_weakly_typed_like_jnp():
+    half = jnp.ones(3, jnp.float16)
+    assert (jaxfuse.add_relu(2.0, 3.0) + half).dtype == jnp.float16
+    weak = jax.make_jaxpr(lambda x: jaxfuse.add_relu(x, 2.0))(1.0).jaxpr.outvars[0].aval
+    assert weak.weak_type
 
 
 def test_python_scalar_operand_takes_array_dtype(rng):
@@ -135,8 +157,10 @@ def test_grad_matches_both_tie_conventions(rng, grad_at_zero, reference_fn):
     want = jax.jit(jax.grad(plain, (0, 1)))(a, b)
     for g, r in zip(got, want):
         assert_bitwise_equal(g, r)
-    # the tie convention really shows: half the elements sit exactly at 0
-    assert np.any(np.asarray(got[0]) == (grad_at_zero * np.asarray(w)))
+    # the tie convention really shows: at exact ties the gradient is g * w
+    ties = (a + b) == 0
+    assert ties.sum() >= a.size // 2
+    np.testing.assert_array_equal(np.asarray(got[0])[ties], grad_at_zero * w[ties])
 
 
 @pytest.mark.parametrize("grad_at_zero", [0.0, 0.5])

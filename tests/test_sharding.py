@@ -95,6 +95,35 @@ def test_gradient_is_partitioned_too(rng):
     assert not re.findall(r"all-gather|all-to-all|collective-permute", hlo)
 
 
+@pytest.mark.parametrize("bs,bspec", [((32,), P("x")), ((1, 32), P(None, "x")), ((), P())], ids=str)
+@pytest.mark.parametrize("spelled", [jax.nn.relu, lambda y: jnp.maximum(y, 0)], ids=["relu", "maximum"])
+def test_gradient_wrt_a_broadcast_bias(rng, bs, bspec, spelled):
+    m = mesh((8,), ("x",))
+    x = put(random_operand(rng, (16, 32), np.float32, specials=False), m, P(None, "x"))
+    b = put(random_operand(rng, bs, np.float32, specials=False), m, bspec)
+    loss = lambda x, b: jnp.sum(spelled(x + b) * x)
+    g = jax.jit(jax.grad(jaxfuse.optimize(loss), argnums=(0, 1)))
+    got, want = g(x, b), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, b)
+    for u, v in zip(got, want):
+        np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-6)  # reduction order may differ
+    assert "jaxfuse_add_relu" in g.lower(x, b).compile().as_text()
+
+
+def test_direct_op_inside_shard_map_with_a_replicated_operand(rng):
+    from jax import shard_map
+
+    m = mesh((8,), ("x",))
+    x = put(random_operand(rng, (16, 32), np.float32), m, P("x", None))
+    b = put(random_operand(rng, (32,), np.float32), m, P())
+    f = jax.jit(shard_map(jaxfuse.add_relu, mesh=m, in_specs=(P("x", None), P()), out_specs=P("x", None)))
+    assert_bitwise_equal(f(x, b), jax.jit(maximum_bias)(x, b))
+    g = jax.jit(jax.grad(lambda x, b: jnp.sum(
+        shard_map(jaxfuse.add_relu, mesh=m, in_specs=(P("x", None), P()), out_specs=P("x", None))(x, b)),
+        argnums=1))
+    want = jax.jit(jax.grad(lambda x, b: jnp.sum(jax.nn.relu(x + b)), argnums=1))(x, b)
+    np.testing.assert_allclose(g(x, b), want, rtol=1e-6)
+
+
 def test_shard_map_around_optimized_code(rng):
     from jax import shard_map
 

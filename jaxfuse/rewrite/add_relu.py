@@ -24,15 +24,14 @@ import numpy as np
 
 import jax
 
-from jaxfuse._primitive import SERVED_DTYPES, add_relu_p
+from jaxfuse._primitive import (MAXIMUM_GRAD_AT_ZERO, RELU_GRAD_AT_ZERO, add_relu_p,
+                                check_operands)
 
 from . import _compat as C
 from .graph import Graph
 from .patterns import Match, Pattern
 
 NAME = "add_relu"
-RELU_GRAD_AT_ZERO = 0.0
-MAX_GRAD_AT_ZERO = 0.5
 
 # Equations a wrapper body may hold besides the ReLU: they only build the zero.
 _ZERO_BUILDERS = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "pvary"})
@@ -75,7 +74,7 @@ def _max_relu(eqn, graph):
             decline = "the zero operand of max is -0.0, not +0.0"
         prod = graph.producer(z)
         extra = (prod,) if prod is not None and graph.uses(z) == 1 and not graph.is_output(z) else ()
-        return _Relu(y, MAX_GRAD_AT_ZERO, text, decline, extra)
+        return _Relu(y, MAXIMUM_GRAD_AT_ZERO, text, decline, extra)
     return None
 
 
@@ -142,26 +141,16 @@ def match(eqn, graph: Graph) -> Match | None:
                  spelling=relu.spelling, info={"relu": relu, "add": add})
 
 
-def _served(dtype) -> bool:
-    return np.dtype(dtype) in SERVED_DTYPES
-
-
 def check(m: Match, graph: Graph) -> str | None:
     relu, add = m.info["relu"], m.info["add"]
     if relu.decline:
         return relu.decline
     a, b = (x.aval for x in add.invars)
     y, out = add.outvars[0].aval, m.root.outvars[0].aval
-    if a.dtype != b.dtype:
-        return f"operand dtypes differ ({a.dtype} and {b.dtype})"
-    if not _served(a.dtype):
-        served = ", ".join(np.dtype(d).name for d in SERVED_DTYPES)
-        return f"dtype {np.dtype(a.dtype).name} is not served (served: {served})"
-    for s in (a.shape, b.shape):
-        if len(s) and (len(s) != len(y.shape)
-                       or any(d not in (o, 1) for d, o in zip(s, y.shape))):
-            return (f"operand shapes {tuple(a.shape)} and {tuple(b.shape)} do not broadcast "
-                    f"the way the kernel serves (same rank, size-1 dims, or a scalar)")
+    try:  # the fused primitive's own operand contract, its message as the reason
+        check_operands(a.shape, a.dtype, b.shape, b.dtype)
+    except (TypeError, ValueError) as e:
+        return str(e).removeprefix("jaxfuse.add_relu_p: ").removeprefix("jaxfuse.add_relu: ")
     if (tuple(out.shape), out.dtype) != (tuple(y.shape), y.dtype):
         return f"the ReLU changes its operand's type from {y.str_short()} to {out.str_short()}"
     if getattr(out, "weak_type", False) != getattr(y, "weak_type", False):
