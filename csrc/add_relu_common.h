@@ -193,6 +193,19 @@ inline ffi::Error MakeBroadcastPlan(ffi::Span<const int64_t> a_dims,
   return ffi::Error::Success();
 }
 
+// Everything a handler checks before touching memory, the same on CPU and
+// CUDA: dtypes, then shapes, then the broadcast plan.
+inline ffi::Error PlanCall(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                           const ffi::AnyBuffer& out, BroadcastPlan* plan) {
+  if (ffi::Error e = CheckDtypes(a.element_type(), b.element_type(),
+                                 out.element_type());
+      e.failure()) {
+    return e;
+  }
+  return MakeBroadcastPlan(a.dimensions(), b.dimensions(), out.dimensions(),
+                           plan);
+}
+
 }  // namespace jaxfuse
 
 #endif  // JAXFUSE_ADD_RELU_COMMON_H_

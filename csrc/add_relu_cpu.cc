@@ -500,17 +500,8 @@ RangeFn PickRange(ffi::DataType t) {
 
 ffi::Error AddReluCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer a,
                           ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out) {
-  if (ffi::Error e = CheckDtypes(a.element_type(), b.element_type(),
-                                 out->element_type());
-      e.failure()) {
-    return e;
-  }
   BroadcastPlan plan;
-  if (ffi::Error e = MakeBroadcastPlan(a.dimensions(), b.dimensions(),
-                                       out->dimensions(), &plan);
-      e.failure()) {
-    return e;
-  }
+  if (ffi::Error e = PlanCall(a, b, *out, &plan); e.failure()) return e;
   if (plan.kind == BroadcastPlan::kEmpty) return ffi::Error::Success();
 
   RangeFn fn = PickRange(a.element_type());

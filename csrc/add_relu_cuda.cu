@@ -248,17 +248,8 @@ ffi::Error Launch(cudaStream_t stream, const BroadcastPlan& plan,
 ffi::Error AddReluCudaImpl(cudaStream_t stream, ffi::AnyBuffer a,
                            ffi::AnyBuffer b,
                            ffi::Result<ffi::AnyBuffer> out) {
-  if (ffi::Error e = CheckDtypes(a.element_type(), b.element_type(),
-                                 out->element_type());
-      e.failure()) {
-    return e;
-  }
   BroadcastPlan plan;
-  if (ffi::Error e = MakeBroadcastPlan(a.dimensions(), b.dimensions(),
-                                       out->dimensions(), &plan);
-      e.failure()) {
-    return e;
-  }
+  if (ffi::Error e = PlanCall(a, b, *out, &plan); e.failure()) return e;
   if (plan.kind == BroadcastPlan::kEmpty) return ffi::Error::Success();
   const void* ap = a.untyped_data();
   const void* bp = b.untyped_data();
