@@ -10,6 +10,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from conftest import assert_bitwise_equal
+
 cpu_kernels = pytest.importorskip(
     "jaxfuse._cpu_kernels", reason="jaxfuse built without its CPU extension"
 )
@@ -33,11 +35,6 @@ def fused():
 
 def _ref(a, b):
     return jax.jit(lambda x, y: jnp.maximum(x + y, 0))(a, b)
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
 
 
 def test_registrations_are_capsules():
@@ -78,7 +75,9 @@ def test_special_values_bit_exact(fused, dtype):
     b = np.concatenate([b, np.ones(pad, np.float32)])
     a = jnp.asarray(a, dtype)
     b = jnp.asarray(b, dtype)
-    np.testing.assert_array_equal(_bits(fused(a, b)), _bits(_ref(a, b)))
+    # NaN bits are compared for float32 only: XLA:CPU narrows an inf + -inf NaN
+    # to bf16 with its sign under jaxlib 0.10 and without it under 0.11.
+    assert_bitwise_equal(fused(a, b), _ref(a, b), nan_bits=dtype == "float32")
 
 
 @pytest.mark.parametrize(
@@ -86,14 +85,12 @@ def test_special_values_bit_exact(fused, dtype):
     [((4, 8), (1, 8)), ((7, 1), (1, 9)), ((2, 3, 5, 7), (1, 1, 1, 7)),
      ((1, 1), (5, 6)), ((1037,), (1037,)), ((0,), (0,)), ((3, 0), (3, 1)),
      ((300, 3), (1, 3)), ((64, 70000), (64, 1))])
-def test_broadcast_random(fused, sa, sb):
-    rng = np.random.default_rng(0)
+def test_broadcast_random(fused, rng, sa, sb):
     a = jnp.asarray(rng.standard_normal(sa, np.float32))
     b = jnp.asarray(rng.standard_normal(sb, np.float32))
     out = fused(a, b)
     ref = _ref(a, b)
-    assert out.shape == ref.shape
-    np.testing.assert_array_equal(_bits(out), _bits(ref))
+    assert_bitwise_equal(out, ref, nan_bits=True)
 
 
 def test_bad_dtype_is_an_error(fused):
@@ -112,8 +109,8 @@ def test_bad_shape_is_an_error(fused):
         jax.block_until_ready(fused(a, c, out_shape=(4, 5)))
 
 
-def test_rank0_operand_is_a_scalar(fused):
-    a = jnp.asarray(np.random.default_rng(1).standard_normal((3, 17, 33)), jnp.float32)
+def test_rank0_operand_is_a_scalar(fused, rng):
+    a = jnp.asarray(rng.standard_normal((3, 17, 33)), jnp.float32)
     s = jnp.asarray(-0.25, jnp.float32)
-    np.testing.assert_array_equal(_bits(fused(a, s)), _bits(_ref(a, s)))
-    np.testing.assert_array_equal(_bits(fused(s, a)), _bits(_ref(s, a)))
+    assert_bitwise_equal(fused(a, s), _ref(a, s), nan_bits=True)
+    assert_bitwise_equal(fused(s, a), _ref(s, a), nan_bits=True)
