@@ -231,22 +231,33 @@ def test_custom_vjp_body_rewritten_user_bwd_stays_in_charge(rng):
 
 
 def test_unknown_higher_order_primitive_is_left_untouched_and_named(rng):
-    mesh = jax.make_mesh((1,), ("x",))
-    P = jax.sharding.PartitionSpec
-    sm = jax.shard_map(lambda x, y: jax.nn.relu(x + y), mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    # custom_linear_solve: a higher-order primitive the pass does not know
+    solve = lambda b: jax.lax.custom_linear_solve(
+        lambda x: x, b, solve=lambda mv, b: jax.nn.relu(b + b))
 
     def f(a, b):
-        return sm(a, b), jax.nn.relu(a + b)
+        return solve(a), jax.nn.relu(a + b)
 
     a, b = tie_operands(rng)
     closed, new, report = rewritten(f, a, b)
-    assert [k.primitive for k in report.skipped] == ["shard_map"]
-    assert "unknown higher-order primitive `shard_map`" in str(report)
+    assert [k.primitive for k in report.skipped] == ["custom_linear_solve"]
+    assert "unknown higher-order primitive `custom_linear_solve`" in str(report)
     (inside,) = report.rejected
-    assert inside.path.startswith("shard_map") and "shard_map" in inside.reason
+    assert inside.path.startswith("custom_linear_solve") and "custom_linear_solve" in inside.reason
     assert len(report.fused) == 1  # the site outside still fuses
     assert new.jaxpr.eqns[0] is closed.jaxpr.eqns[0]
     assert_same(jax.jit(f), jaxfuse.optimize(f), a, b)
+
+
+def test_shard_map_body_is_rewritten(rng):
+    mesh = jax.make_mesh((1,), ("x",))
+    P = jax.sharding.PartitionSpec
+    sm = jax.shard_map(lambda x, y: jax.nn.relu(x + y), mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    a, b = tie_operands(rng)
+    closed, new, report = rewritten(sm, a, b)
+    (site,) = report.fused
+    assert site.path == "shard_map" and not report.skipped
+    assert_same(jax.jit(sm), jaxfuse.optimize(sm), a, b)
 
 
 # ------------------------------------------------- sharing, mutation, effects

@@ -148,3 +148,18 @@ def _gspmd():
 def test_gspmd_partitions_without_collectives(rng, mesh_shape, names, xs, xspec, bs, bspec):
     with _gspmd():
         _check(relu_bias, mesh(mesh_shape, names), xs, xspec, bs, bspec, rng)
+
+
+def test_optimize_rewrites_inside_shard_map(rng):
+    from jax import shard_map
+
+    m = mesh((8,), ("x",))
+    x = put(random_operand(rng, (16, 32), np.float32), m, P("x", None))
+    b = put(random_operand(rng, (32,), np.float32), m, P())
+    sm = shard_map(relu_bias, mesh=m, in_specs=(P("x", None), P()), out_specs=P("x", None))
+    assert [s.path for s in jaxfuse.explain(sm, x, b).fused] == ["shard_map"]
+    f = jax.jit(jaxfuse.optimize(sm))
+    assert_bitwise_equal(f(x, b), jax.jit(relu_bias)(x, b))
+    hlo = f.lower(x, b).compile().as_text()
+    assert hlo.count('custom_call_target="jaxfuse_add_relu"') == 1
+    assert not COLLECTIVES.findall(hlo)

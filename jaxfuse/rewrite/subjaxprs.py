@@ -45,6 +45,9 @@ _KNOWN: dict[str, Callable] = {
     "cond": lambda eqn: [("branches", "cond/branch")],
     "while": lambda eqn: [("cond_jaxpr", "while/cond"), ("body_jaxpr", "while/body")],
     **{name: (lambda eqn: [("jaxpr", "checkpoint")]) for name in C.CHECKPOINT_NAMES},
+    # shard_map's body works on each device's shards; an elementwise fusion
+    # there is local (the fused op lowers to the plain call inside it).
+    "shard_map": lambda eqn: [("jaxpr", "shard_map")],
 }
 
 
