@@ -5,6 +5,8 @@ Marked `gpu`: skipped with a reason where jax sees no CUDA device.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,12 @@ from conftest import assert_bitwise_equal, random_operand
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = [np.float32, jnp.bfloat16, jnp.float16]
+DTYPES = [np.float32, jnp.bfloat16, jnp.float16, np.float64]
+IDS = ["f32", "bf16", "f16", "f64"]
+
+
+def _x64(dtype):
+    return jax.enable_x64(True) if np.dtype(dtype) == np.float64 else contextlib.nullcontext()
 SHAPES = [
     ((), ()),
     ((7,), (7,)),
@@ -45,20 +52,23 @@ def test_cuda_kernel_is_built_and_registered():
     assert jaxfuse.kernels()["cuda"] is True, jaxfuse._kernels.why_not("cuda")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("a_shape,b_shape", SHAPES, ids=str)
 def test_values_bitwise_equal_xla_gpu(rng, dtype, a_shape, b_shape):
-    a = jax.device_put(random_operand(rng, a_shape, dtype), _gpu())
-    b = jax.device_put(random_operand(rng, b_shape, dtype), _gpu())
-    assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), _reference(a, b))
+    with _x64(dtype):
+        a = jax.device_put(random_operand(rng, a_shape, dtype), _gpu())
+        b = jax.device_put(random_operand(rng, b_shape, dtype), _gpu())
+        assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), _reference(a, b))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_every_special_pair_gpu(dtype):
-    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 65504.0, 7e4])
-    a = jax.device_put(np.repeat(specials, specials.size).astype(dtype), _gpu())
-    b = jax.device_put(np.tile(specials, specials.size).astype(dtype), _gpu())
-    assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), _reference(a, b))
+    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 65504.0, 7e4,
+                         1e-40, -1e-40])  # float32 denormals: XLA:GPU does not flush them
+    with _x64(dtype), np.errstate(over="ignore"):
+        a = jax.device_put(np.repeat(specials, specials.size).astype(dtype), _gpu())
+        b = jax.device_put(np.tile(specials, specials.size).astype(dtype), _gpu())
+        assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), _reference(a, b))
 
 
 def test_operands_computed_inside_the_same_jit(rng):
@@ -94,9 +104,10 @@ def test_optimized_function_runs_our_kernel_on_gpu(rng):
     assert_bitwise_equal(opt(x, b), jax.jit(f)(x, b))
 
 
-def test_cuda_graph_capture_of_the_kernel(rng):
-    # A jitted loop XLA may turn into a command buffer (CUDA graph) must still
-    # produce the right answer if the handler declares itself capturable.
+def test_kernel_in_a_loop_body(rng):
+    # The handler declares itself command-buffer compatible, so XLA may capture
+    # a loop body holding it in a CUDA graph; whatever XLA chooses here, the
+    # answer must be right. (Whether a graph was used is not asserted.)
     x = jax.device_put(random_operand(rng, (1 << 16,), np.float32, specials=False), _gpu())
 
     def body(i, y):
