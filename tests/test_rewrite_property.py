@@ -5,6 +5,8 @@ the number of fused sites equals an independent count of eligible sites."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +18,7 @@ from jax import lax
 
 import jaxfuse
 from conftest import random_operand
-from rewrite_support import assert_trees, assert_values, fused_count, kernel_active
+from rewrite_support import assert_trees, fused_count, kernel_active
 
 pytestmark = pytest.mark.filterwarnings("ignore:jaxfuse. no kernel:RuntimeWarning")
 
@@ -91,6 +93,20 @@ def eligible_sites(steps, outputs, dtype):
     return candidates, eligible, eligible_live
 
 
+def exact_expected(steps, dtype) -> bool:
+    """Whether the optimized program must match `jax.jit(f)` bit for bit with the
+    kernel in use (see rewrite_support): not when an add reads a mul, which XLA
+    may contract into an FMA in one program and not the other, and not for
+    float16/bfloat16, where XLA:CPU may keep float32 excess precision across
+    ops that our kernel rounds between."""
+    if np.dtype(dtype) in (np.dtype(np.float16), np.dtype(jnp.bfloat16)):
+        return False
+    n_in = len(INPUT_SHAPES)
+    made_by_mul = {n_in + k for k, (op, _, _) in enumerate(steps) if op == "mul"}
+    return not any(op in ("add", "add-const") and ({x, y} if op == "add" else {x}) & made_by_mul
+                   for op, x, y in steps)
+
+
 def make_inputs(seed, dtype):
     rng = np.random.default_rng(seed)
     if np.dtype(dtype) == np.int32:
@@ -98,7 +114,7 @@ def make_inputs(seed, dtype):
     return [jnp.asarray(random_operand(rng, s, dtype)) for s in INPUT_SHAPES]
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("JAXFUSE_HYPOTHESIS_EXAMPLES", 50)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs(), st.sampled_from(DTYPES), st.integers(0, 2**32 - 1))
 def test_random_programs(program, dtype, seed):
     steps, outputs = program
@@ -115,7 +131,8 @@ def test_random_programs(program, dtype, seed):
         text = jax.jit(opt).lower(*inputs).as_text()
         assert text.count("custom_call @jaxfuse_add_relu") == eligible_live
 
-    assert_values(opt(*inputs), jax.jit(f)(*inputs))
+    exact = not kernel_active() or exact_expected(steps, dtype)
+    assert_trees(opt(*inputs), jax.jit(f)(*inputs), exact=exact)
 
     if np.dtype(dtype) == np.float32:
         def loss(g):
