@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import functools
 
+import jax
 from jax._src.custom_partitioning_sharding_rule import ArrayMapping, SdyShardingRule
 from jax._src.lib.mlir import ir
 from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
+
+from ._kernels import TARGET
+from ._primitive import check_operands
 
 
 def _factor(i: int) -> str:
@@ -86,13 +90,20 @@ def _infer(mesh, arg_shapes, result_shape):
     return NamedSharding(mesh, PartitionSpec(*entries))
 
 
-@functools.lru_cache(maxsize=None)
-def partitioned(local_call):
-    """`local_call(a, b)` wrapped so the partitioner runs it on each device's shards."""
+def _local_call(a, b):
+    """The kernel on one device's shards."""
+    out_shape = check_operands(a.shape, a.dtype, b.shape, b.dtype)
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(out_shape, a.dtype))(a, b)
+
+
+@functools.cache
+def _partitioned():
+    """The kernel wrapped so the partitioner runs it on each device's shards
+    (built on first use: custom_partitioning registers callbacks)."""
 
     @custom_partitioning
     def call(a, b):
-        return local_call(a, b)
+        return _local_call(a, b)
 
     def partition(mesh, arg_shapes, result_shape):
         out_shape = result_shape.shape
@@ -101,7 +112,7 @@ def partitioned(local_call):
         arg_shardings = tuple(
             NamedSharding(mesh, _operand_spec(a.shape, out_shape, entries)) for a in arg_shapes
         )
-        return mesh, local_call, out_sharding, arg_shardings
+        return mesh, _local_call, out_sharding, arg_shardings
 
     call.def_partition(
         partition=partition, infer_sharding_from_operands=_infer, sharding_rule=_rule_from_types
@@ -109,8 +120,8 @@ def partitioned(local_call):
     return call
 
 
-def lower_partitioned(ctx, a, b, local_call):
-    return mlir.lower_fun(partitioned(local_call), multiple_results=False)(ctx, a, b)
+def lower_partitioned(ctx, a, b):
+    return mlir.lower_fun(_partitioned(), multiple_results=False)(ctx, a, b)
 
 
 __all__ = ["elementwise_rule", "is_partitioned", "lower_partitioned"]
