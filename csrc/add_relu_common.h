@@ -79,11 +79,96 @@ inline ffi::Error CheckDtypes(ffi::DataType a, ffi::DataType b,
   return ffi::Error::Success();
 }
 
-// The broadcast, reduced to its essentials.
+// The broadcast of N operands to one output, reduced to its essentials.
 //
-// Output dims of size 1 are dropped; adjacent dims broadcast the same way for
-// both operands are merged. What is left is `dims` (outermost first) with,
-// for each operand, element strides (0 where that operand is broadcast).
+// Output dims of size 1 are dropped; adjacent dims that every operand
+// broadcasts the same way are merged. What is left is `dims` (outermost first)
+// and, per operand, element strides over them (0 where it is broadcast). Each
+// operand has the output's rank, or rank 0 (a scalar, read as all-1 dims), and
+// every operand dim equals the output dim or is 1.
+constexpr int kMaxOperands = 5;
+constexpr int kMaxRank = 64;  // the Python layer never fuses a higher rank
+
+struct Collapsed {
+  int operands = 0;
+  int64_t total = 0;                            // output element count
+  std::vector<int64_t> dims;                    // collapsed, outermost first
+  std::vector<int64_t> strides[kMaxOperands];   // per operand, per dim
+  std::vector<uint32_t> full;                   // per dim: bit k = operand k varies
+};
+
+inline std::string ShapesString(const ffi::Span<const int64_t>* dims, int n,
+                                ffi::Span<const int64_t> out) {
+  std::string s;
+  for (int k = 0; k < n; ++k) s += (k ? ", " : "") + ShapeString(dims[k]);
+  return s + " -> " + ShapeString(out);
+}
+
+inline ffi::Error Collapse(const char* op, const ffi::Span<const int64_t>* dims,
+                           int n, ffi::Span<const int64_t> out, Collapsed* c) {
+  auto bad = [&](const std::string& why) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": cannot broadcast " +
+                                       ShapesString(dims, n, out) + ": " + why);
+  };
+  if (n < 1 || n > kMaxOperands) return bad("bad operand count");
+  if (out.size() > static_cast<size_t>(kMaxRank)) {
+    return bad("rank " + std::to_string(out.size()) + " exceeds " +
+               std::to_string(kMaxRank));
+  }
+  for (int k = 0; k < n; ++k) {
+    if (dims[k].size() != out.size() && dims[k].size() != 0) {
+      return bad("operands must have the same rank as the result (or rank 0)");
+    }
+  }
+  auto dim = [&](int k, size_t i) -> int64_t {
+    return dims[k].size() == 0 ? 1 : dims[k][i];
+  };
+  int64_t total = 1;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i] < 0) return bad("negative dimension");
+    for (int k = 0; k < n; ++k) {
+      int64_t d = dim(k, i);
+      if (d < 0) return bad("negative dimension");
+      if (d != out[i] && d != 1) {
+        return bad("operand " + std::to_string(k) + " dim " +
+                   std::to_string(i) + " is " + std::to_string(d) +
+                   ", must be " + std::to_string(out[i]) + " or 1");
+      }
+    }
+    total *= out[i];
+  }
+  c->operands = n;
+  c->total = total;
+  c->dims.clear();
+  c->full.clear();
+  for (int k = 0; k < kMaxOperands; ++k) c->strides[k].clear();
+  if (total == 0) return ffi::Error::Success();
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i] == 1) continue;
+    uint32_t pat = 0;
+    for (int k = 0; k < n; ++k) pat |= (dim(k, i) == out[i] ? 1u : 0u) << k;
+    if (!c->full.empty() && c->full.back() == pat) {
+      c->dims.back() *= out[i];
+    } else {
+      c->full.push_back(pat);
+      c->dims.push_back(out[i]);
+    }
+  }
+  const size_t r = c->dims.size();
+  for (int k = 0; k < n; ++k) {
+    c->strides[k].assign(r, 0);
+    int64_t s = 1;
+    for (size_t i = r; i-- > 0;) {
+      if (c->full[i] >> k & 1u) {
+        c->strides[k][i] = s;
+        s *= c->dims[i];
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// The two-operand special cases the CUDA add_relu kernel has fast paths for.
 struct BroadcastPlan {
   enum Kind {
     kEmpty,    // zero elements: touch nothing
@@ -93,7 +178,7 @@ struct BroadcastPlan {
     kScalars,  // both single elements, output a fill
     kBiasB,    // b is a trailing-dims bias: b[i % inner]
     kBiasA,    // a is a trailing-dims bias: a[i % inner]
-    kGeneral,  // anything else: strided walk with a contiguous inner run
+    kGeneral,  // anything else: strided walk
   };
   Kind kind = kEmpty;
   int64_t total = 0;   // output element count
@@ -101,81 +186,26 @@ struct BroadcastPlan {
   std::vector<int64_t> dims, a_strides, b_strides;  // collapsed
 };
 
-// Validates shapes and builds the plan. Each operand has the rank of the
-// output, or rank 0 (a scalar, read as all-1 dims); every operand dim equals
-// the output dim or is 1.
 inline ffi::Error MakeBroadcastPlan(ffi::Span<const int64_t> a_dims,
                                     ffi::Span<const int64_t> b_dims,
                                     ffi::Span<const int64_t> out,
                                     BroadcastPlan* plan) {
-  auto bad = [&](const std::string& why) {
-    return ffi::Error::InvalidArgument(
-        "jaxfuse_add_relu: cannot broadcast a" + ShapeString(a_dims) +
-        " and b" + ShapeString(b_dims) + " to out" + ShapeString(out) + ": " +
-        why);
-  };
-  if ((a_dims.size() != out.size() && a_dims.size() != 0) ||
-      (b_dims.size() != out.size() && b_dims.size() != 0)) {
-    return bad("operands must have the same rank as the result (or rank 0)");
+  const ffi::Span<const int64_t> dims[2] = {a_dims, b_dims};
+  Collapsed c;
+  if (ffi::Error e = Collapse("jaxfuse_add_relu", dims, 2, out, &c);
+      e.failure()) {
+    return e;
   }
-  const std::vector<int64_t> ones(out.size(), 1);
-  const ffi::Span<const int64_t> a =
-      a_dims.size() == 0 ? ffi::Span<const int64_t>(ones.data(), ones.size())
-                     : a_dims;
-  const ffi::Span<const int64_t> b =
-      b_dims.size() == 0 ? ffi::Span<const int64_t>(ones.data(), ones.size())
-                     : b_dims;
-  int64_t total = 1;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (out[i] < 0 || a[i] < 0 || b[i] < 0) return bad("negative dimension");
-    if (a[i] != out[i] && a[i] != 1) {
-      return bad("a dim " + std::to_string(i) + " is " + std::to_string(a[i]) +
-                 ", must be " + std::to_string(out[i]) + " or 1");
-    }
-    if (b[i] != out[i] && b[i] != 1) {
-      return bad("b dim " + std::to_string(i) + " is " + std::to_string(b[i]) +
-                 ", must be " + std::to_string(out[i]) + " or 1");
-    }
-    total *= out[i];
-  }
-  plan->total = total;
-  plan->dims.clear();
-  plan->a_strides.clear();
-  plan->b_strides.clear();
-  if (total == 0) {
-    plan->kind = BroadcastPlan::kEmpty;
-    return ffi::Error::Success();
-  }
-
-  // Collapse. Pattern bit 0: a is full in this dim; bit 1: b is full.
-  std::vector<int> pat;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (out[i] == 1) continue;
-    int p = (a[i] == out[i] ? 1 : 0) | (b[i] == out[i] ? 2 : 0);
-    if (!pat.empty() && pat.back() == p) {
-      plan->dims.back() *= out[i];
-    } else {
-      pat.push_back(p);
-      plan->dims.push_back(out[i]);
-    }
-  }
-  const size_t r = plan->dims.size();
-  plan->a_strides.assign(r, 0);
-  plan->b_strides.assign(r, 0);
-  int64_t sa = 1, sb = 1;
-  for (size_t i = r; i-- > 0;) {
-    if (pat[i] & 1) {
-      plan->a_strides[i] = sa;
-      sa *= plan->dims[i];
-    }
-    if (pat[i] & 2) {
-      plan->b_strides[i] = sb;
-      sb *= plan->dims[i];
-    }
-  }
-
+  plan->total = c.total;
+  plan->dims = c.dims;
+  plan->a_strides = c.strides[0];
+  plan->b_strides = c.strides[1];
   using K = BroadcastPlan;
-  if (r == 0) {
+  const size_t r = c.dims.size();
+  const std::vector<uint32_t>& pat = c.full;
+  if (c.total == 0) {
+    plan->kind = K::kEmpty;
+  } else if (r == 0) {
     plan->kind = K::kScalars;  // a single element
   } else if (r == 1) {
     static const K::Kind k1[4] = {K::kScalars, K::kScalarB, K::kScalarA,
@@ -183,18 +213,18 @@ inline ffi::Error MakeBroadcastPlan(ffi::Span<const int64_t> a_dims,
     plan->kind = k1[pat[0]];
   } else if (r == 2 && pat[1] == 3 && pat[0] == 1) {
     plan->kind = K::kBiasB;
-    plan->inner = plan->dims[1];
+    plan->inner = c.dims[1];
   } else if (r == 2 && pat[1] == 3 && pat[0] == 2) {
     plan->kind = K::kBiasA;
-    plan->inner = plan->dims[1];
+    plan->inner = c.dims[1];
   } else {
     plan->kind = K::kGeneral;
   }
   return ffi::Error::Success();
 }
 
-// Everything a handler checks before touching memory, the same on CPU and
-// CUDA: dtypes, then shapes, then the broadcast plan.
+// Everything the add_relu handlers check before touching memory, the same on
+// CPU and CUDA: dtypes, then shapes, then the broadcast plan.
 inline ffi::Error PlanCall(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                            const ffi::AnyBuffer& out, BroadcastPlan* plan) {
   if (ffi::Error e = CheckDtypes(a.element_type(), b.element_type(),

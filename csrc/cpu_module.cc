@@ -1,21 +1,41 @@
-// jaxfuse._cpu_kernels: hands the CPU FFI handler to Python as a capsule.
+// jaxfuse._cpu_kernels: hands the CPU FFI handlers to Python as capsules, and
+// takes the run-time settings jaxfuse/_env.py parsed from the environment.
 //
-//   jax.ffi.register_ffi_target("jaxfuse_add_relu",
-//                               _cpu_kernels.registrations()["jaxfuse_add_relu"],
-//                               platform="cpu")
+//   for name, capsule in _cpu_kernels.registrations().items():
+//       jax.ffi.register_ffi_target(name, capsule, platform="cpu")
 #include <nanobind/nanobind.h>
 
+#include "cpu_config.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddReluCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EpilogueCpu);
 
 NB_MODULE(_cpu_kernels, m) {
   m.doc() = "jaxfuse CPU kernels (XLA FFI handlers as capsules).";
   m.def("registrations", []() {
     nb::dict d;
     d["jaxfuse_add_relu"] = nb::capsule(reinterpret_cast<void*>(AddReluCpu));
+    d["jaxfuse_epilogue"] = nb::capsule(reinterpret_cast<void*>(EpilogueCpu));
     return d;
   }, "Dict of FFI target name -> handler capsule (XLA FFI API, platform='cpu').");
+  m.def("configure", [](int64_t max_threads, bool huge_pages, int streaming) {
+    jaxfuse::CpuSettings s;
+    s.max_threads = max_threads;
+    s.huge_pages = huge_pages;
+    s.streaming = streaming;
+    jaxfuse::ConfigureCpu(s);
+  }, nb::arg("max_threads"), nb::arg("huge_pages"), nb::arg("streaming"),
+  "Run-time settings: thread cap (0: none), huge-page advice, streaming stores (-1 auto, 0 off, 1 on).");
+  m.def("settings", []() {
+    jaxfuse::CpuSettings s = jaxfuse::CurrentCpuSettings();
+    nb::dict d;
+    d["max_threads"] = s.max_threads;
+    d["huge_pages"] = s.huge_pages;
+    d["streaming"] = s.streaming;
+    d["streaming_threshold_bytes"] = jaxfuse::StreamingThresholdBytes();
+    return d;
+  }, "The settings in force, and the bytes a call must touch before auto mode streams.");
 }

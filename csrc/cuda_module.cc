@@ -1,11 +1,11 @@
-// jaxfuse._cuda_kernels: hands the CUDA FFI handler to Python as a capsule.
+// jaxfuse._cuda_kernels: hands the CUDA FFI handlers to Python as capsules.
 //
-//   jax.ffi.register_ffi_target("jaxfuse_add_relu",
-//                               _cuda_kernels.registrations()["jaxfuse_add_relu"],
-//                               platform="CUDA")
+//   for name, capsule in _cuda_kernels.registrations().items():
+//       jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 //
-// This file is plain C++ (no CUDA headers); the handler lives in
-// add_relu_cuda.cu. Importing the module needs no GPU.
+// Plain C++ (the handlers live in the .cu files). Importing the module needs
+// no GPU; runtime_status() asks the CUDA driver without creating a context.
+#include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 
 #include "xla/ffi/api/ffi.h"
@@ -13,12 +13,22 @@
 namespace nb = nanobind;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddReluCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EpilogueCuda);
 
 NB_MODULE(_cuda_kernels, m) {
   m.doc() = "jaxfuse CUDA kernels (XLA FFI handlers as capsules).";
   m.def("registrations", []() {
     nb::dict d;
     d["jaxfuse_add_relu"] = nb::capsule(reinterpret_cast<void*>(AddReluCuda));
+    d["jaxfuse_epilogue"] = nb::capsule(reinterpret_cast<void*>(EpilogueCuda));
     return d;
   }, "Dict of FFI target name -> handler capsule (XLA FFI API, platform='CUDA').");
+  m.def("runtime_status", []() {
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+    nb::dict d;
+    d["driver_version"] = driver;            // 0: no driver
+    d["runtime_version"] = CUDART_VERSION;   // what the kernels were built with
+    return d;
+  }, "CUDA driver version (0 when there is none) and the runtime version the kernels need.");
 }

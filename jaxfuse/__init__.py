@@ -1,13 +1,21 @@
 """jaxfuse: an operator-fusion pass for JAX.
 
-`add` followed by ReLU becomes one custom call bound to our own kernel (C++ on
-CPU, CUDA on GPU), with the same values and gradients as the unfused program.
+`add` followed by ReLU, and the BatchNorm/residual epilogues around it, become
+one custom call bound to our own kernel (C++ on CPU, CUDA on GPU), with the
+same values and gradients as the unfused program.
 """
 
-from ._primitive import add_relu, add_relu_p, SERVED_DTYPES
-from ._kernels import kernels
+from ._primitive import (SERVED_DTYPES, add_relu, add_relu_p, epilogue_p,  # noqa: F401
+                         scale_shift_relu)
+from ._kernels import kernels, register_all as _register_all
 from . import _lowering  # noqa: F401  (registers the lowerings)
 from .rewrite import Match, Pattern, Report, Site, Skipped, explain, optimize, register_pattern  # noqa: F401  (the fusion pass)
 
+# FFI targets are registered now, before any backend exists, so a serialized
+# program holding our custom calls runs in a process that only imported jaxfuse.
+_register_all()
+
 __version__ = "0.1.0"
-__all__ = ["add_relu", "add_relu_p", "SERVED_DTYPES", "kernels"]
+__all__ = ["add_relu", "scale_shift_relu", "add_relu_p", "epilogue_p", "SERVED_DTYPES", "kernels",
+           "optimize", "explain", "register_pattern", "Pattern", "Match", "Report", "Site",
+           "Skipped"]

@@ -1,106 +1,132 @@
-"""Per-platform lowerings of `add_relu_p`.
+"""Per-platform lowerings of the fused primitives.
 
-cpu and cuda lower to an XLA FFI custom call bound to our kernel when one was
-built and registered; every other platform, and cpu/cuda without a kernel,
-lower the unfused jnp definition (`mlir.lower_fun`) so programs still run --
-with one warning saying why.
+cpu and cuda lower to an XLA FFI custom call bound to our kernels when one can
+run there (`_kernels.why_not`); every other platform, and cpu/cuda without a
+usable kernel, lower the unfused lax definition, which XLA fuses its own way:
+programs still run, with the same values, and one warning per platform says
+why. The kernel choice is a jit cache key (`kernels_disabled`), so flipping it
+recompiles instead of being ignored for functions already compiled.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 import warnings
 
-import jax
-from jax._src import dispatch as _dispatch
-from jax._src.interpreters import mlir  # public jax.interpreters.mlir lacks reshape
+from jax.interpreters import mlir
 
-from . import _kernels
-from ._primitive import add_relu_p, add_relu_reference
-from ._sharding import is_partitioned, lower_partitioned
+from . import _compat as C
+from . import _env, _kernels, _numerics
+from ._primitive import (add_relu_p, add_relu_reference, epilogue_p, epilogue_reference)
+from ._sharding import is_partitioned, local_call, lower_partitioned
 
-_state = threading.local()
+DISABLE_KERNELS = C.jit_key_flag(
+    "jaxfuse_disable_kernels", _env.SETTINGS.disable_kernels,
+    "Lower jaxfuse's fused ops to XLA's own ops instead of jaxfuse's kernels "
+    "(default from JAXFUSE_DISABLE_KERNELS).")
+
 _warned: set[str] = set()
 
-
-def _kernels_disabled() -> bool:
-    return getattr(_state, "disabled", os.environ.get("JAXFUSE_DISABLE_KERNELS", "") == "1")
+# Collapsed broadcast ranks the CUDA kernels take (csrc/*_cuda.cu); beyond
+# them a site lowers to XLA's own ops there.
+_CUDA_MAX_RANK = {"jaxfuse_add_relu": 16, "jaxfuse_epilogue": 24}
 
 
 @contextlib.contextmanager
 def kernels_disabled():
-    """Within this block, lower with the fallback even where a kernel exists (for tests)."""
-    before = getattr(_state, "disabled", None)
-    _state.disabled = True
-    try:
+    """Within this block, lower with XLA's own ops even where a kernel exists."""
+    with DISABLE_KERNELS(True):
         yield
-    finally:
-        if before is None:
-            del _state.disabled
-        else:
-            _state.disabled = before
 
 
-_lower_reference = mlir.lower_fun(
-    lambda a, b, **_params: add_relu_reference(a, b), multiple_results=False
-)
+def _warn_fallback(ctx, platform: str, why: str) -> None:
+    if platform in _warned:
+        return
+    _warned.add(platform)
+    message = (f"jaxfuse: no kernel for {platform} ({why}); the fused ops lower to "
+               f"XLA's own ops instead")
+    # Lowering runs deep inside jax: point at the user's line that holds the
+    # site, or else the one that asked for the compilation.
+    where = (C.user_frame_of_traceback(getattr(ctx, "traceback", None))
+             or C.current_user_frame())
+    if where is None:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    else:
+        warnings.warn_explicit(message, RuntimeWarning, where[0], where[1])
 
 
-def _fallback(ctx, a, b, *, platform, why, **params):
-    if platform not in _warned:
-        _warned.add(platform)
-        warnings.warn(
-            f"jaxfuse: no kernel for {platform} ({why}); add_relu lowers to XLA's "
-            f"own max(add) instead",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return _lower_reference(ctx, a, b, **params)
+def _reference_lowering(reference, multiple_results):
+    return mlir.lower_fun(reference, multiple_results=multiple_results)
 
 
-def _default_lowering(ctx, a, b, **params):
-    platforms = ctx.module_context.platforms
-    platform = platforms[0] if platforms else "unknown"
-    return _fallback(ctx, a, b, platform=platform, why=_kernels.why_not(platform), **params)
+_lower_add_relu_reference = _reference_lowering(
+    lambda a, b, **_: add_relu_reference(a, b), multiple_results=False)
+_lower_epilogue_reference = _reference_lowering(epilogue_reference, multiple_results=True)
 
 
-_ffi_call_lowering = jax.ffi.build_ffi_lowering_function(_kernels.TARGET)
+def _why_not_kernel(ctx, platform: str, target: str) -> str | None:
+    """Why this site must not use the kernel on `platform` (None: it may)."""
+    if DISABLE_KERNELS.value:
+        return "kernels disabled"
+    why = _kernels.why_not(platform)
+    if why:
+        return why
+    return None
 
 
-def _scalars_to_rank(ctx, operands):
-    """The kernel wants equal ranks: a scalar becomes all size-1 dims (a free reshape)."""
-    rank = ctx.avals_out[0].ndim
-    avals, values = [], []
-    for aval, x in zip(ctx.avals_in, operands):
-        if aval.ndim != rank:
-            aval = aval.update(shape=(1,) * rank)
-            x = mlir.reshape(ctx, x, aval)
-        avals.append(aval)
-        values.append(x)
-    return ctx.replace(avals_in=avals), values
+def _fits_device(ctx, platform, target) -> bool:
+    if platform != "cuda":
+        return True
+    rank = len(ctx.avals_out[0].shape)
+    return rank <= _CUDA_MAX_RANK[target]
 
 
-def _kernel_lowering(platform):
-    def lower(ctx, a, b, **params):
-        if _kernels_disabled():
-            return _fallback(ctx, a, b, platform=platform, why="kernels disabled", **params)
-        if not _kernels.kernels().get(platform, False):
-            return _fallback(ctx, a, b, platform=platform, why=_kernels.why_not(platform), **params)
-        ctx, (a, b) = _scalars_to_rank(ctx, (a, b))
+def _kernel_lowering(platform: str, target: str, reference, attrs_of):
+    def lower(ctx, *args, **params):
+        why = _why_not_kernel(ctx, platform, target)
+        if why is not None:
+            if why != "kernels disabled":
+                _warn_fallback(ctx, platform, why)
+            return reference(ctx, *args, **params)
+        if not _fits_device(ctx, platform, target):
+            return reference(ctx, *args, **params)
+        attrs = attrs_of(ctx, platform, **params)
         if is_partitioned(ctx):
-            return lower_partitioned(ctx, a, b)
-        # The kernel takes no attributes: grad_at_zero only matters to the JVP.
-        return _ffi_call_lowering(ctx, a, b).results
+            return lower_partitioned(ctx, *args, target=target, attrs=attrs)
+        call = local_call(target, len(ctx.avals_out), attrs)
+        return mlir.lower_fun(call, multiple_results=len(ctx.avals_out) > 1)(ctx, *args)
 
     return lower
 
 
-mlir.register_lowering(add_relu_p, _default_lowering)
-for _platform in ("cpu", "cuda"):
-    mlir.register_lowering(add_relu_p, _kernel_lowering(_platform), platform=_platform)
+def _add_relu_attrs(ctx, platform, *, grad_at_zero):
+    return ()  # grad_at_zero only matters to the JVP
 
-# In a partitioned module the lowering wraps the call in custom_partitioning,
-# which needs the concrete devices at lowering time (as cuDNN attention does).
-_dispatch.prim_requires_devices_during_lowering.add(add_relu_p)
+
+def _epilogue_attrs(ctx, platform, *, mean, scale, residual, tie, grad_at_zero):
+    r = _numerics.rounding(platform, ctx.avals_in[0].dtype)
+    return (("mean", mean), ("scale", scale), ("residual", residual), ("contract", r.contract),
+            ("narrow_each_op", r.narrow_each_op), ("tie", tie))
+
+
+def _default(reference):
+    def lower(ctx, *args, **params):
+        platforms = ctx.module_context.platforms
+        platform = platforms[0] if platforms else "unknown"
+        if not DISABLE_KERNELS.value:
+            _warn_fallback(ctx, platform, _kernels.why_not(platform))
+        return reference(ctx, *args, **params)
+
+    return lower
+
+
+for _prim, _target, _ref, _attrs in (
+        (add_relu_p, _kernels.TARGET, _lower_add_relu_reference, _add_relu_attrs),
+        (epilogue_p, _kernels.EPILOGUE_TARGET, _lower_epilogue_reference, _epilogue_attrs)):
+    mlir.register_lowering(_prim, _default(_ref))
+    for _platform in ("cpu", "cuda"):
+        mlir.register_lowering(_prim, _kernel_lowering(_platform, _target, _ref, _attrs),
+                               platform=_platform)
+    # In a partitioned module the lowering wraps the call in custom_partitioning,
+    # which needs the concrete devices at lowering time.
+    C.require_devices_during_lowering(_prim)

@@ -1,6 +1,6 @@
-"""How the SPMD partitioner may split the fused op.
+"""How the SPMD partitioner may split the fused ops.
 
-The op is elementwise, so every output dimension is a pass-through factor
+The ops are elementwise, so every output dimension is a pass-through factor
 shared with each operand dimension of the same size. A size-1 (broadcast)
 operand dimension gets a factor of its own, of size 1, so a bias `(1, C)`
 sharded along C partitions with the output's C and is never gathered. Without
@@ -19,24 +19,23 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax._src.custom_partitioning_sharding_rule import ArrayMapping, SdyShardingRule
-from jax._src.lib.mlir import ir
-from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
-from jax.experimental.custom_partitioning import custom_partitioning
+from jax.experimental.custom_partitioning import (ArrayMapping, SdyShardingRule,
+                                                   custom_partitioning)
+from jax.extend.mlir import ir
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._kernels import TARGET
-from ._primitive import check_operands
+from . import _compat as C
+from ._primitive import check_broadcast
 
 
 def _factor(i: int) -> str:
     return f"d{i}"
 
 
-def elementwise_rule(operand_shapes, out_shape) -> SdyShardingRule:
+def elementwise_rule(operand_shapes, out_shape, n_results: int = 1) -> SdyShardingRule:
     """The Shardy rule for a size-1-broadcasting elementwise op."""
-    results = (ArrayMapping(*(_factor(i) for i in range(len(out_shape)))),)
+    result = ArrayMapping(*(_factor(i) for i in range(len(out_shape))))
     operands = []
     for k, shape in enumerate(operand_shapes):
         names = [
@@ -44,27 +43,28 @@ def elementwise_rule(operand_shapes, out_shape) -> SdyShardingRule:
             for i, (d, o) in enumerate(zip(shape, out_shape))
         ]
         operands.append(ArrayMapping(*names))
-    return SdyShardingRule(tuple(operands), results)
+    return SdyShardingRule(tuple(operands), (result,) * n_results)
 
 
 def _rule_from_types(mesh, operand_types, result_types) -> SdyShardingRule:
     del mesh
-    shape = lambda t: tuple(ir.RankedTensorType(t).shape)
-    return elementwise_rule([shape(t) for t in operand_types], shape(result_types[0]))
+    shape = lambda t: tuple(ir.RankedTensorType(t).shape)  # noqa: E731
+    return elementwise_rule([shape(t) for t in operand_types], shape(result_types[0]),
+                            len(result_types))
 
 
 def is_partitioned(ctx: mlir.LoweringRuleContext) -> bool:
     """True when this module will be split across devices by the partitioner."""
     axis_context = ctx.module_context.axis_context
-    if isinstance(axis_context, ShardingContext):
+    if isinstance(axis_context, mlir.ShardingContext):
         return axis_context.num_devices > 1
-    if isinstance(axis_context, SPMDAxisContext):  # inside shard_map: local unless some axes are auto
+    if isinstance(axis_context, mlir.SPMDAxisContext):  # shard_map: local unless some axes are auto
         return set(axis_context.manual_axes) != set(axis_context.mesh.axis_names)
     return False
 
 
 def _spec_entries(sharding, rank):
-    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+    spec = tuple(sharding.spec)
     return spec + (None,) * (rank - len(spec))
 
 
@@ -72,56 +72,84 @@ def _operand_spec(shape, out_shape, out_entries) -> PartitionSpec:
     # A broadcast (size-1) dimension cannot be split; every other dimension is
     # split exactly like the output's.
     return PartitionSpec(
-        *(e if d == o else None for d, o, e in zip(shape, out_shape, out_entries))
-    )
+        *(e if d == o else None for d, o, e in zip(shape, out_shape, out_entries)))
 
 
 def _infer(mesh, arg_shapes, result_shape):
     # Each output dimension follows the first operand that is not broadcast there.
-    rank = len(result_shape.shape)
+    shapes = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
+    rank = len(shapes[0].shape)
     entries = []
-    for i, o in enumerate(result_shape.shape):
+    for i, o in enumerate(shapes[0].shape):
         entry = None
         for arg in arg_shapes:
-            if len(arg.shape) == rank and arg.shape[i] == o:
+            if len(arg.shape) == rank and arg.shape[i] == o and isinstance(arg.sharding, NamedSharding):
                 entry = _spec_entries(arg.sharding, rank)[i]
                 break
         entries.append(entry)
-    return NamedSharding(mesh, PartitionSpec(*entries))
+    out = NamedSharding(mesh, PartitionSpec(*entries))
+    return tuple(out for _ in shapes) if isinstance(result_shape, (tuple, list)) else out
 
 
-def _local_call(a, b):
-    """The kernel on one device's shards."""
-    out_shape = check_operands(a.shape, a.dtype, b.shape, b.dtype)
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(out_shape, a.dtype))(a, b)
-
-
-@functools.cache
-def _partitioned():
-    """The kernel wrapped so the partitioner runs it on each device's shards
-    (built on first use: custom_partitioning registers callbacks)."""
-
-    @custom_partitioning
-    def call(a, b):
-        return _local_call(a, b)
-
-    def partition(mesh, arg_shapes, result_shape):
-        out_shape = result_shape.shape
-        out_sharding = result_shape.sharding
+def _partition_shardings(mesh, arg_shapes, out_shape, out_sharding):
+    """(result sharding, operand shardings) for the per-device call."""
+    if isinstance(out_sharding, NamedSharding):
         entries = _spec_entries(out_sharding, len(out_shape))
-        arg_shardings = tuple(
-            NamedSharding(mesh, _operand_spec(a.shape, out_shape, entries)) for a in arg_shapes
-        )
-        return mesh, _local_call, out_sharding, arg_shardings
+        return out_sharding, tuple(
+            NamedSharding(mesh, _operand_spec(a.shape, out_shape, entries)) for a in arg_shapes)
+    # Inside a partially manual shard_map the partitioner hands a positional
+    # (GSPMD) sharding over the remaining auto axes. Operands of the output's
+    # shape take it as it is; a broadcast operand can too unless one of its
+    # size-1 dims is split, in which case everything is replicated.
+    shard = out_sharding.shard_shape(tuple(out_shape))
+    split = [o != s for o, s in zip(out_shape, shard)]
+    if any(d != o and cut for a in arg_shapes for d, o, cut in zip(a.shape, out_shape, split)):
+        out_sharding = C.replicated_like(out_sharding)
+    return out_sharding, tuple(out_sharding for _ in arg_shapes)
 
-    call.def_partition(
-        partition=partition, infer_sharding_from_operands=_infer, sharding_rule=_rule_from_types
-    )
+
+def local_call(target: str, n_results: int, attrs: tuple):
+    """The kernel on one device's operands (the shapes it is given)."""
+
+    def call(*operands):
+        out_shape = check_broadcast(target, [(str(k), x.shape, x.dtype) for k, x in enumerate(operands)])
+        rank = len(out_shape)
+        operands = [x if x.ndim == rank else jax.lax.reshape(x, (1,) * rank) for x in operands]
+        results = [jax.ShapeDtypeStruct(out_shape, operands[0].dtype)]
+        if n_results == 2:
+            results.append(jax.ShapeDtypeStruct(out_shape, bool))
+        outs = jax.ffi.ffi_call(target, results)(*operands, **dict(attrs))
+        return tuple(outs) if n_results > 1 else outs[0]
+
     return call
 
 
-def lower_partitioned(ctx, a, b):
-    return mlir.lower_fun(_partitioned(), multiple_results=False)(ctx, a, b)
+@functools.cache
+def _partitioned(target: str, n_results: int, attrs: tuple):
+    """The kernel wrapped so the partitioner runs it on each device's shards
+    (built on first use: custom_partitioning registers callbacks)."""
+    per_device = local_call(target, n_results, attrs)
+
+    @custom_partitioning
+    def call(*operands):
+        return per_device(*operands)
+
+    def partition(mesh, arg_shapes, result_shape):
+        shapes = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
+        out_sharding, arg_shardings = _partition_shardings(
+            mesh, arg_shapes, shapes[0].shape, shapes[0].sharding)
+        outs = tuple(out_sharding for _ in shapes) if n_results > 1 else out_sharding
+        return mesh, per_device, outs, arg_shardings
+
+    call.def_partition(
+        partition=partition, infer_sharding_from_operands=_infer, sharding_rule=_rule_from_types)
+    return call
 
 
-__all__ = ["elementwise_rule", "is_partitioned", "lower_partitioned"]
+def lower_partitioned(ctx, *args, target: str, attrs: tuple = ()):
+    n_results = len(ctx.avals_out)
+    return mlir.lower_fun(_partitioned(target, n_results, attrs),
+                          multiple_results=n_results > 1)(ctx, *args)
+
+
+__all__ = ["elementwise_rule", "is_partitioned", "local_call", "lower_partitioned"]

@@ -39,8 +39,8 @@ def _ref(a, b):
 
 def test_registrations_are_capsules():
     regs = cpu_kernels.registrations()
-    assert set(regs) == {"jaxfuse_add_relu"}
-    assert type(regs["jaxfuse_add_relu"]).__name__ == "PyCapsule"
+    assert set(regs) == {"jaxfuse_add_relu", "jaxfuse_epilogue"}
+    assert all(type(c).__name__ == "PyCapsule" for c in regs.values())
 
 
 def test_build_info():
@@ -52,7 +52,7 @@ def test_build_info():
     if _build_info.CUDA_BUILT:
         from jaxfuse import _cuda_kernels
 
-        assert set(_cuda_kernels.registrations()) == {"jaxfuse_add_relu"}
+        assert set(_cuda_kernels.registrations()) == {"jaxfuse_add_relu", "jaxfuse_epilogue"}
 
 
 SPECIAL_F32 = np.array(

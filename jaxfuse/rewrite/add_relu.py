@@ -27,7 +27,7 @@ import jax
 from jaxfuse._primitive import (MAXIMUM_GRAD_AT_ZERO, RELU_GRAD_AT_ZERO, add_relu_p,
                                 check_operands)
 
-from . import _compat as C
+from .. import _compat as C
 from .graph import Graph
 from .patterns import Match, Pattern
 

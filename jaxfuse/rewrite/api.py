@@ -18,7 +18,7 @@ import numpy as np
 
 import jax
 
-from . import _compat as C
+from .. import _compat as C
 from .patterns import resolve
 from .report import Report
 from .walker import rewrite

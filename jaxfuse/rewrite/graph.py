@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import _compat as C
+from .. import _compat as C
 
 # Equations that only reshape or retype a constant: looking through them keeps
 # its value known (a broadcast zero is still zero, int 0 converts to +0.0).

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from . import _compat as C
+from .. import _compat as C
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

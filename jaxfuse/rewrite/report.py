@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import Any
 
-from . import _compat as C
+from .. import _compat as C
 
 
 class _Located:

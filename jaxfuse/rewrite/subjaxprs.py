@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import _compat as C
+from .. import _compat as C
 
 
 def _origin_name(closed) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from . import _compat as C
+from .. import _compat as C
 from . import subjaxprs
 from .graph import Graph
 from .patterns import Match, Pattern

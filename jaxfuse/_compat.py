@@ -1,11 +1,17 @@
-"""Every jax-internal detail the pass relies on, in one place.
+"""Every jax-internal detail jaxfuse relies on, in one place.
 
-The rest of `jaxfuse.rewrite` imports jaxpr types and helpers only from here,
-so a jax upgrade (0.10 -> 0.11) touches this file alone.
+Everything else in jaxfuse imports jaxpr types, and the few jax internals it
+cannot do without, only from here, so a jax upgrade touches this file alone.
+Public APIs are used wherever they exist (`jax.extend.core`,
+`jax.experimental.custom_partitioning`,
+`jax.interpreters.mlir`, `jax.ffi`); each private one below is imported under a
+guard and, if a jax release moved it, fails on first use with a message naming
+what is missing and the jax range jaxfuse is tested with.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Iterable
 
@@ -13,6 +19,8 @@ import numpy as np
 
 import jax
 from jax.extend import core as _xcore
+
+TESTED_JAX = ">=0.10,<0.12"  # keep in step with pyproject.toml
 
 Jaxpr = _xcore.Jaxpr
 ClosedJaxpr = _xcore.ClosedJaxpr
@@ -25,12 +33,74 @@ Tracer = jax.core.Tracer
 JIT_NAMES = frozenset({"jit", "pjit"})
 CHECKPOINT_NAMES = frozenset({"remat2", "checkpoint", "remat"})
 
-try:  # private: no public way to walk a traceback's user frames
-    from jax._src import source_info_util as _siu
-except ImportError:  # pragma: no cover - jax moved it
-    _siu = None
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+# ------------------------------------------------------------- private, guarded
+class _Missing:
+    """Stands in for a private jax attribute this jax does not have."""
+
+    def __init__(self, where: str, error: Exception):
+        self._where, self._error = where, error
+
+    def __call__(self, *args, **kwargs):
+        raise ImportError(
+            f"jaxfuse needs `{self._where}`, which jax {jax.__version__} does not "
+            f"provide ({self._error}); jaxfuse is tested with jax {TESTED_JAX}")
+
+    def __getattr__(self, name):
+        self()
+
+
+def _private(module: str, attr: str):
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        return _Missing(f"{module}.{attr}", e)
+
+
+# Eager calls of our primitives compile the primitive alone, as lax's own do.
+apply_primitive = _private("jax._src.dispatch", "apply_primitive")
+# Lowering inside a partitioned module needs the concrete devices
+# (custom_partitioning asks for them), as cuDNN attention does.
+_requires_devices = _private("jax._src.dispatch", "prim_requires_devices_during_lowering")
+# A weakly typed scalar operand keeps its weak type when converted, as in jnp.
+_convert_element_type = _private("jax._src.lax.lax", "_convert_element_type")
+# Inside shard_map, operands varying over different manual axes are made to
+# agree the way lax.add does it (jax 0.10+).
+_auto_insert_reshard = _private("jax._src.core", "auto_insert_reshard")
+# User frames of a traceback (jax.extend.source_info_util has no equivalent).
+_user_frames = _private("jax._src.source_info_util", "user_frames")
+_is_user_filename = _private("jax._src.source_info_util", "is_user_filename")
+# A switch that is part of jit's cache key (no public API defines one).
+_bool_state = _private("jax._src.config", "bool_state")
+
+
+def require_devices_during_lowering(primitive) -> None:
+    _requires_devices.add(primitive)
+
+
+def convert_weak(x, dtype):
+    """`x` converted to `dtype`, weakly typed (a Python scalar's promotion)."""
+    return _convert_element_type(x, dtype, weak_type=True)
+
+
+def match_varying_axes(*args):
+    if isinstance(_auto_insert_reshard, _Missing):
+        return args
+    return _auto_insert_reshard(*args)
+
+
+def replicated_like(sharding):
+    """A replicated sharding over the same devices as a positional (GSPMD) one."""
+    return type(sharding).get_replicated(tuple(sharding._device_assignment))
+
+
+def jit_key_flag(name: str, default: bool, help: str):
+    """A boolean config option that is part of jit's cache key, usable as
+    `with flag(True):` and via `jax.config.update(name, value)`."""
+    return _bool_state(name, default, help, include_in_jit_key=True,
+                       include_in_trace_context=True)
 
 
 def new_eqn(invars, outvars, primitive, params, *, like: JaxprEqn, effects=None):
@@ -99,13 +169,22 @@ def user_frame(source_info) -> tuple[str, int] | None:
     Frames inside jax, the stdlib and jaxfuse itself are skipped, so a site in
     library code reports the line in user code that reached it.
     """
-    tb = getattr(source_info, "traceback", None)
-    if tb is None or _siu is None:
+    return user_frame_of_traceback(getattr(source_info, "traceback", None))
+
+
+def user_frame_of_traceback(tb) -> tuple[str, int] | None:
+    if tb is None:
         return None
-    for frame in _siu.user_frames(tb):
+    for frame in _user_frames(tb):
         if not frame.file_name.startswith(_PACKAGE_DIR):
             return frame.file_name, frame.start_line
     return None
+
+
+def current_user_frame() -> tuple[str, int] | None:
+    """(file, line) of the innermost user frame of the running Python stack."""
+    from jax.extend import source_info_util
+    return user_frame(source_info_util.current())
 
 
 def first_user_frame(source_infos: Iterable) -> tuple[str, int] | None:
@@ -154,7 +233,7 @@ def definition_site(fun) -> tuple[str, int] | None:
     code = getattr(unwrap_function(fun), "__code__", None)
     if code is None or code.co_filename.startswith(_PACKAGE_DIR):
         return None
-    if _siu is not None and not _siu.is_user_filename(code.co_filename):
+    if not _is_user_filename(code.co_filename):
         return None
     return code.co_filename, code.co_firstlineno
 

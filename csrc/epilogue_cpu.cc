@@ -1,0 +1,789 @@
+// jaxfuse: the CPU engine behind both FFI targets, `jaxfuse_add_relu` and
+// `jaxfuse_epilogue`.
+//
+// Semantics: epilogue_scalar.h (bit-identical to XLA:CPU's own fusion).
+// Broadcasting / validation: add_relu_common.h.
+//
+// How a call runs:
+//  * The broadcast is collapsed (Collapse) and walked as "runs" along the
+//    innermost dim. Inside a run every operand is contiguous, constant, or (a
+//    bias row under short rows) periodic; constant and periodic operands are
+//    read from small splat / tile buffers, so one contiguous block kernel per
+//    (dtype, form) serves every broadcast.
+//  * Block kernels: float/double are plain loops compiled twice (baseline
+//    x86-64 and AVX2+FMA, picked at run time); float16 uses F16C conversions,
+//    bfloat16 AVX2 integer rounding, both with the scalar definition for
+//    tails and for CPUs without them.
+//  * Outputs that do not fit in the last-level cache are written with
+//    non-temporal stores (through an L1 scratch block): a normal store first
+//    reads the line it overwrites, so streaming cuts the traffic of
+//    `out = f(a, b)` from four passes to three.
+//  * Large calls are split into chunks claimed by the calling thread and by
+//    helpers on XLA's intra-op pool; the caller never waits for a chunk nobody
+//    has started, so this cannot deadlock, and a late helper finds no work.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "add_relu_common.h"
+#include "cpu_config.h"
+#include "epilogue_scalar.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#include <xmmintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace jaxfuse {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Settings
+// ---------------------------------------------------------------------------
+std::atomic<int64_t> g_max_threads{0};
+std::atomic<bool> g_huge_pages{true};
+std::atomic<int> g_streaming{-1};
+
+// The last-level cache this core shares, from sysfs (what lscpu shows); glibc's
+// sysconf can report a whole package's L3 instead (256 MiB on an EPYC VM whose
+// cores see 32 MiB).
+int64_t LastLevelCacheBytes() {
+  static const int64_t bytes = [] {
+    int64_t best = -1;
+#if defined(__linux__)
+    for (int index = 0; index < 8; ++index) {
+      std::string path = "/sys/devices/system/cpu/cpu0/cache/index" +
+                         std::to_string(index) + "/size";
+      FILE* f = std::fopen(path.c_str(), "r");
+      if (!f) continue;
+      long long v = 0;
+      char unit = 0;
+      int got = std::fscanf(f, "%lld%c", &v, &unit);
+      std::fclose(f);
+      if (got < 1 || v <= 0) continue;
+      if (unit == 'K') v <<= 10;
+      if (unit == 'M') v <<= 20;
+      best = std::max<int64_t>(best, v);
+    }
+#endif
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+    if (best <= 0) best = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+    return best > 0 ? best : int64_t{32} << 20;
+  }();
+  return bytes;
+}
+
+}  // namespace
+
+void ConfigureCpu(const CpuSettings& s) {
+  g_max_threads.store(s.max_threads < 0 ? 0 : s.max_threads);
+  g_huge_pages.store(s.huge_pages);
+  g_streaming.store(s.streaming);
+}
+
+CpuSettings CurrentCpuSettings() {
+  CpuSettings s;
+  s.max_threads = g_max_threads.load();
+  s.huge_pages = g_huge_pages.load();
+  s.streaming = g_streaming.load();
+  return s;
+}
+
+int64_t StreamingThresholdBytes() { return LastLevelCacheBytes(); }
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Denormal flushing, as XLA:CPU runs its kernels (FTZ + DAZ on x86, FZ on
+// AArch64). Set for the duration of each piece of work, then restored.
+// ---------------------------------------------------------------------------
+class ScopedFlushDenormal {
+ public:
+#if defined(__x86_64__) || defined(__i386__)
+  ScopedFlushDenormal() : saved_(_mm_getcsr()) {
+    _mm_setcsr(saved_ | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
+  }
+  ~ScopedFlushDenormal() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned int saved_;
+#elif defined(__aarch64__)
+  ScopedFlushDenormal() {
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved_));
+    uint64_t v = saved_ | (uint64_t{1} << 24);  // FZ
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(v));
+  }
+  ~ScopedFlushDenormal() { __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_)); }
+
+ private:
+  uint64_t saved_;
+#else
+  ScopedFlushDenormal() {}
+#endif
+};
+
+// ---------------------------------------------------------------------------
+// Block kernels: n contiguous elements of each operand present.
+// ---------------------------------------------------------------------------
+// Operand slots, in the order the handlers receive operands.
+enum Slot { kX = 0, kM = 1, kS = 2, kT = 3, kR = 4, kSlots = 5 };
+
+using BlockFn = void (*)(const void* const* in, void* out, uint8_t* tie,
+                         int64_t n);
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define JF_X86 1
+#define JF_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define JF_X86 0
+#define JF_AVX2
+#endif
+#define JF_INLINE inline __attribute__((always_inline))
+
+template <class F, class T, bool Tie>
+JF_INLINE void WideBody(const void* const* in, void* out, uint8_t* tie,
+                        int64_t n) {
+  const T* __restrict x = static_cast<const T*>(in[kX]);
+  const T* __restrict m = static_cast<const T*>(in[kM]);
+  const T* __restrict s = static_cast<const T*>(in[kS]);
+  const T* __restrict t = static_cast<const T*>(in[kT]);
+  const T* __restrict r = static_cast<const T*>(in[kR]);
+  T* __restrict o = static_cast<T*>(out);
+  for (int64_t i = 0; i < n; ++i) {
+    T v = preactivation<F>(x[i], F::kMean ? m[i] : T(0),
+                           F::kScale ? s[i] : T(0), t[i],
+                           F::kResidual ? r[i] : T(0));
+    o[i] = relu_keep_nan(v);
+    if constexpr (Tie) tie[i] = v == T(0);
+  }
+}
+
+template <class F, class Tag, bool Tie>
+JF_INLINE void NarrowScalarBody(const void* const* in, void* out, uint8_t* tie,
+                                int64_t n) {
+  const uint16_t* x = static_cast<const uint16_t*>(in[kX]);
+  const uint16_t* m = static_cast<const uint16_t*>(in[kM]);
+  const uint16_t* s = static_cast<const uint16_t*>(in[kS]);
+  const uint16_t* t = static_cast<const uint16_t*>(in[kT]);
+  const uint16_t* r = static_cast<const uint16_t*>(in[kR]);
+  uint16_t* o = static_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < n; ++i) {
+    bool z;
+    o[i] = epilogue<F>(Tag{}, x[i], F::kMean ? m[i] : 0, F::kScale ? s[i] : 0,
+                       t[i], F::kResidual ? r[i] : 0, &z);
+    if constexpr (Tie) tie[i] = z;
+  }
+}
+
+template <class F, class T, bool Tie>
+void WideBase(const void* const* in, void* out, uint8_t* tie, int64_t n) {
+  WideBody<F, T, Tie>(in, out, tie, n);
+}
+template <class F, class Tag, bool Tie>
+void NarrowBase(const void* const* in, void* out, uint8_t* tie, int64_t n) {
+  NarrowScalarBody<F, Tag, Tie>(in, out, tie, n);
+}
+
+#if JF_X86
+template <class F, class T, bool Tie>
+JF_AVX2 void WideAvx2(const void* const* in, void* out, uint8_t* tie,
+                      int64_t n) {
+  WideBody<F, T, Tie>(in, out, tie, n);
+}
+
+// 8 lanes of f16 / bf16 held as f32, with the same bits as the scalar code:
+// widening is exact; rounding is to nearest even; a NaN lane leaves as the
+// host's canonical NaN (f16 0x7e00, bf16 sign | 0x7fc0).
+struct F16Lanes {
+  using Tag = F16Tag;
+  static JF_AVX2 JF_INLINE __m256 Load(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static JF_AVX2 JF_INLINE __m256 Round(__m256 v) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, 0));
+  }
+  static JF_AVX2 JF_INLINE void Store(uint16_t* p, __m256 v) {
+    __m128i h = _mm256_cvtps_ph(v, 0 /* round to nearest even */);
+    __m256i nan32 = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(nan32),
+                                    _mm256_extracti128_si256(nan32, 1));
+    h = _mm_blendv_epi8(h, _mm_set1_epi16(0x7e00), nan16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  }
+};
+
+struct BF16Lanes {
+  using Tag = BF16Tag;
+  static JF_AVX2 JF_INLINE __m256 Load(const uint16_t* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  // bf16 bits in the low half of each u32 lane.
+  static JF_AVX2 JF_INLINE __m256i Narrow(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i hi = _mm256_srli_epi32(u, 16);
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                         _mm256_and_si256(hi, _mm256_set1_epi32(1))),
+        16);
+    __m256i nan = _mm256_or_si256(_mm256_and_si256(hi, _mm256_set1_epi32(0x8000)),
+                                  _mm256_set1_epi32(0x7fc0));
+    return _mm256_blendv_epi8(r, nan,
+                              _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  }
+  static JF_AVX2 JF_INLINE __m256 Round(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(Narrow(v), 16));
+  }
+  static JF_AVX2 JF_INLINE void Store(uint16_t* p, __m256 v) {
+    __m256i w = Narrow(v);
+    // packus works per 128-bit lane: pack with itself, then gather the halves.
+    __m256i packed = _mm256_packus_epi32(w, w);
+    __m256i ordered = _mm256_permute4x64_epi64(packed, 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_castsi256_si128(ordered));
+  }
+};
+
+template <class F, class L>
+JF_AVX2 JF_INLINE __m256 Rnd(__m256 v) {
+  if constexpr (F::kNarrowEachOp) return L::Round(v);
+  return v;
+}
+
+template <class F, class L, bool Tie>
+JF_AVX2 void NarrowAvx2(const void* const* in, void* out, uint8_t* tie,
+                        int64_t n) {
+  const uint16_t* x = static_cast<const uint16_t*>(in[kX]);
+  const uint16_t* m = static_cast<const uint16_t*>(in[kM]);
+  const uint16_t* s = static_cast<const uint16_t*>(in[kS]);
+  const uint16_t* t = static_cast<const uint16_t*>(in[kT]);
+  const uint16_t* r = static_cast<const uint16_t*>(in[kR]);
+  uint16_t* o = static_cast<uint16_t*>(out);
+  const __m256 zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = L::Load(x + i);
+    if constexpr (F::kMean) v = Rnd<F, L>(_mm256_sub_ps(v, L::Load(m + i)));
+    if constexpr (F::kScale) {
+      if constexpr (F::kContract) {
+        v = Rnd<F, L>(_mm256_fmadd_ps(v, L::Load(s + i), L::Load(t + i)));
+      } else {
+        v = Rnd<F, L>(_mm256_mul_ps(v, L::Load(s + i)));
+        v = Rnd<F, L>(_mm256_add_ps(v, L::Load(t + i)));
+      }
+    } else {
+      __m256 sum = _mm256_add_ps(v, L::Load(t + i));
+      // add_xla: the first operand's NaN wins (only its sign survives bf16
+      // narrowing; f16 canonicalizes), whatever order vaddps got.
+      v = Rnd<F, L>(_mm256_blendv_ps(sum, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    }
+    if constexpr (F::kResidual) v = Rnd<F, L>(_mm256_add_ps(v, L::Load(r + i)));
+    v = L::Round(v);
+    if constexpr (Tie) {
+      int bitsz = _mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ));
+      for (int k = 0; k < 8; ++k) tie[i + k] = (bitsz >> k) & 1;
+    }
+    L::Store(o + i, _mm256_andnot_ps(_mm256_cmp_ps(v, zero, _CMP_LE_OQ), v));
+  }
+  if (i < n) {
+    const void* rest[kSlots];
+    for (int k = 0; k < kSlots; ++k) {
+      rest[k] = in[k] ? static_cast<const uint16_t*>(in[k]) + i : nullptr;
+    }
+    NarrowScalarBody<F, typename L::Tag, Tie>(rest, o + i,
+                                              Tie ? tie + i : nullptr, n - i);
+  }
+}
+
+bool HaveAvx2() {
+  static const bool have = __builtin_cpu_supports("avx2") &&
+                           __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  return have;
+}
+#endif  // JF_X86
+
+// ---- the table: dtype x (mean, scale, residual, contract, each-op, tie)
+enum Dtype { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
+constexpr int kVariants = 64;  // 6 flag bits
+
+constexpr int VariantKey(bool mean, bool scale, bool residual, bool contract,
+                         bool each_op, bool tie) {
+  return (mean ? 1 : 0) | (scale ? 2 : 0) | (residual ? 4 : 0) |
+         (contract ? 8 : 0) | (each_op ? 16 : 0) | (tie ? 32 : 0);
+}
+
+template <int K>
+using FormOf = Form<(K & 1) != 0, (K & 2) != 0, (K & 4) != 0, (K & 8) != 0,
+                    (K & 16) != 0>;
+
+template <int D, int K>
+BlockFn PickOne() {
+  using F = FormOf<K>;
+  constexpr bool kTie = (K & 32) != 0;
+#if JF_X86
+  if (HaveAvx2()) {
+    if constexpr (D == kF32) return &WideAvx2<F, float, kTie>;
+    if constexpr (D == kF64) return &WideAvx2<F, double, kTie>;
+    if constexpr (D == kF16) return &NarrowAvx2<F, F16Lanes, kTie>;
+    if constexpr (D == kBF16) return &NarrowAvx2<F, BF16Lanes, kTie>;
+  }
+#endif
+  if constexpr (D == kF32) return &WideBase<F, float, kTie>;
+  if constexpr (D == kF64) return &WideBase<F, double, kTie>;
+  if constexpr (D == kF16) return &NarrowBase<F, F16Tag, kTie>;
+  return &NarrowBase<F, BF16Tag, kTie>;
+}
+
+template <int D, int... Ks>
+BlockFn PickIn(int key, std::integer_sequence<int, Ks...>) {
+  BlockFn fn = nullptr;
+  ((key == Ks ? (fn = PickOne<D, Ks>(), 0) : 0), ...);
+  return fn;
+}
+
+BlockFn PickBlock(Dtype d, int key) {
+  auto keys = std::make_integer_sequence<int, kVariants>{};
+  switch (d) {
+    case kF32: return PickIn<kF32>(key, keys);
+    case kF64: return PickIn<kF64>(key, keys);
+    case kF16: return PickIn<kF16>(key, keys);
+    case kBF16: return PickIn<kBF16>(key, keys);
+  }
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------
+// Streaming stores: copy an L1 block to its destination with non-temporal
+// stores (aligned middle; plain head and tail).
+// ---------------------------------------------------------------------------
+#if JF_X86
+JF_AVX2 void StreamCopyAvx2(void* dst, const void* src, size_t bytes) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  size_t head = (32 - (reinterpret_cast<uintptr_t>(d) & 31)) & 31;
+  head = std::min(head, bytes);
+  std::memcpy(d, s, head);
+  size_t i = head;
+  for (; i + 32 <= bytes; i += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+  }
+  std::memcpy(d + i, s + i, bytes - i);
+}
+#endif
+
+// ---------------------------------------------------------------------------
+// Runs: the walk over the collapsed broadcast.
+// ---------------------------------------------------------------------------
+constexpr int64_t kBlock = 256;    // elements per block-kernel call
+constexpr int64_t kTileMin = 256;  // rows shorter than this are tiled
+constexpr int64_t kTileCap = 2 * kTileMin + kBlock;
+
+struct Call {
+  Collapsed c;
+  int slot_of[kMaxOperands];   // operand k -> Slot
+  const void* data[kMaxOperands];
+  void* out;
+  uint8_t* tie;                // nullptr without the tie output
+  size_t itemsize;
+  BlockFn block;
+  bool stream;
+  // Derived walk: a run covers the dims from `run_from` on.
+  int run_from;                // first collapsed dim inside a run
+  int64_t run_len;             // elements per run
+  int64_t period;              // row length for periodic operands (tiled walk)
+  enum Kind : uint8_t { kContig, kConst, kPeriodic } kind[kMaxOperands];
+};
+
+// Chooses how runs are laid out: one run per innermost row, or, when rows are
+// short and every operand is contiguous, constant or a row vector over the
+// last two dims, one run per block of rows with the row vectors tiled.
+void PlanRuns(Call* call) {
+  const Collapsed& c = call->c;
+  const int r = static_cast<int>(c.dims.size());
+  call->period = 0;
+  if (r == 0) {
+    call->run_from = 0;
+    call->run_len = 1;
+    for (int k = 0; k < c.operands; ++k) call->kind[k] = Call::kConst;
+    return;
+  }
+  const int64_t n = c.dims[r - 1];
+  bool tile = r >= 2 && n < kTileMin;
+  for (int k = 0; tile && k < c.operands; ++k) {
+    bool inner = c.full[r - 1] >> k & 1u, outer = c.full[r - 2] >> k & 1u;
+    if (outer && !inner) tile = false;  // a column: neither contiguous nor periodic
+  }
+  if (tile) {
+    call->run_from = r - 2;
+    call->run_len = c.dims[r - 2] * n;
+    call->period = n;
+    for (int k = 0; k < c.operands; ++k) {
+      bool inner = c.full[r - 1] >> k & 1u, outer = c.full[r - 2] >> k & 1u;
+      call->kind[k] = outer ? Call::kContig : inner ? Call::kPeriodic : Call::kConst;
+    }
+  } else {
+    call->run_from = r - 1;
+    call->run_len = n;
+    for (int k = 0; k < c.operands; ++k) {
+      call->kind[k] = (c.full[r - 1] >> k & 1u) ? Call::kContig : Call::kConst;
+    }
+  }
+}
+
+// Per-thread buffers for one range: splats, tiles and the streaming block.
+struct Scratch {
+  alignas(64) unsigned char splat[kMaxOperands][kBlock * 8];
+  alignas(64) unsigned char tile[kMaxOperands][kTileCap * 8];
+  alignas(64) unsigned char block[kBlock * 8];
+  const void* splat_src[kMaxOperands];
+  const void* tile_src[kMaxOperands];
+};
+
+void Splat(void* dst, const void* src, size_t itemsize, int64_t n) {
+  unsigned char* d = static_cast<unsigned char*>(dst);
+  std::memcpy(d, src, itemsize);
+  int64_t have = 1;
+  while (have < n) {  // doubling copies
+    int64_t step = std::min(have, n - have);
+    std::memcpy(d + have * itemsize, d, step * itemsize);
+    have += step;
+  }
+}
+
+// Output positions [lo, hi) (flat, row-major).
+void RunRange(const Call& call, int64_t lo, int64_t hi, Scratch* sc) {
+  ScopedFlushDenormal ftz;
+  const Collapsed& c = call.c;
+  const size_t isz = call.itemsize;
+  const int outer = call.run_from;
+  const int64_t L = call.run_len;
+  for (int k = 0; k < kMaxOperands; ++k) {
+    sc->splat_src[k] = nullptr;
+    sc->tile_src[k] = nullptr;
+  }
+  // Outer odometer at the run holding lo.
+  int64_t coord[kMaxRank];
+  int64_t rem = lo / L;
+  for (int d = outer - 1; d >= 0; --d) {
+    coord[d] = rem % c.dims[d];
+    rem /= c.dims[d];
+  }
+  int64_t pos = lo;
+  int64_t j = lo % L;  // position inside the current run
+  while (pos < hi) {
+    // Operand bases at the start of this run.
+    const unsigned char* base[kMaxOperands];
+    for (int k = 0; k < c.operands; ++k) {
+      int64_t off = 0;
+      for (int d = 0; d < outer; ++d) off += coord[d] * c.strides[k][d];
+      base[k] = static_cast<const unsigned char*>(call.data[k]) + off * isz;
+    }
+    for (int k = 0; k < c.operands; ++k) {
+      if (call.kind[k] == Call::kConst && sc->splat_src[k] != base[k]) {
+        Splat(sc->splat[k], base[k], isz, kBlock);
+        sc->splat_src[k] = base[k];
+      } else if (call.kind[k] == Call::kPeriodic && sc->tile_src[k] != base[k]) {
+        // period * reps >= period + kBlock: any start has a block ahead.
+        int64_t p = call.period, reps = (p + kBlock + p - 1) / p;
+        for (int64_t q = 0; q < reps; ++q) {
+          std::memcpy(sc->tile[k] + q * p * isz, base[k], p * isz);
+        }
+        sc->tile_src[k] = base[k];
+      }
+    }
+    const int64_t run_end = std::min<int64_t>(L, j + (hi - pos));
+    while (j < run_end) {
+      const int64_t len = std::min(kBlock, run_end - j);
+      const void* in[kSlots] = {nullptr, nullptr, nullptr, nullptr, nullptr};
+      for (int k = 0; k < c.operands; ++k) {
+        const void* p;
+        switch (call.kind[k]) {
+          case Call::kContig: p = base[k] + j * isz; break;
+          case Call::kConst: p = sc->splat[k]; break;
+          default: p = sc->tile[k] + (j % call.period) * isz; break;
+        }
+        in[call.slot_of[k]] = p;
+      }
+      unsigned char* dst = static_cast<unsigned char*>(call.out) + pos * isz;
+      uint8_t* tie = call.tie ? call.tie + pos : nullptr;
+#if JF_X86
+      if (call.stream) {
+        call.block(in, sc->block, tie, len);
+        StreamCopyAvx2(dst, sc->block, len * isz);
+      } else
+#endif
+      {
+        call.block(in, dst, tie, len);
+      }
+      j += len;
+      pos += len;
+    }
+    // Next run.
+    j = 0;
+    for (int d = outer - 1; d >= 0; --d) {
+      if (++coord[d] < c.dims[d]) break;
+      coord[d] = 0;
+    }
+  }
+#if JF_X86
+  if (call.stream) _mm_sfence();  // order the streamed lines before "done"
+#endif
+}
+
+// Scratch is ~45 KB: allocated once per thread that ever runs a range.
+Scratch* ThreadScratch() {
+  thread_local std::unique_ptr<Scratch> scratch;
+  if (!scratch) scratch = std::make_unique<Scratch>();
+  return scratch.get();
+}
+
+// ---------------------------------------------------------------------------
+// Huge pages for large outputs (see README "CPU kernel details").
+//
+// XLA allocates every output with the C allocator. When the block it gets is
+// fresh from the operating system, writing it costs one page fault per 4 KiB,
+// ~1-2 us each on the VMs measured (16K faults for 64 MiB, more than the
+// arithmetic); asking for transparent huge pages on the buffer's 2 MiB-aligned
+// interior makes that one fault per 2 MiB. Purely advisory: contents are
+// untouched; it does nothing where THP is "never" or already "always". The
+// advice stays on the address range after XLA frees the buffer, so later
+// blocks the allocator carves from that range may be backed by huge pages too.
+// ---------------------------------------------------------------------------
+constexpr size_t kHugePage = size_t{2} << 20;
+constexpr size_t kHugeAdviseMin = size_t{8} << 20;  // bytes
+
+void AdviseHugePages(void* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (!g_huge_pages.load(std::memory_order_relaxed) || bytes < kHugeAdviseMin) {
+    return;
+  }
+  uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) &
+                 ~(uintptr_t)(kHugePage - 1);
+  uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes) &
+                 ~(uintptr_t)(kHugePage - 1);
+  if (hi > lo) {
+    (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  }
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Parallel driver.
+// ---------------------------------------------------------------------------
+constexpr int64_t kMinChunk = 64 * 1024;  // elements
+constexpr int64_t kChunkAlign = 64;       // elements; keeps chunks line-aligned
+
+struct Job {
+  Call call;
+  int64_t total, chunk, nchunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Work() {
+    for (;;) {
+      int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= nchunks) return;
+      int64_t lo = i * chunk, hi = std::min(total, lo + chunk);
+      RunRange(call, lo, hi, ThreadScratch());
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+Dtype ToDtype(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F64: return kF64;
+    case ffi::DataType::F16: return kF16;
+    case ffi::DataType::BF16: return kBF16;
+    default: return kF32;
+  }
+}
+
+size_t Itemsize(ffi::DataType t) {
+  return t == ffi::DataType::F64 ? 8 : t == ffi::DataType::F32 ? 4 : 2;
+}
+
+// The whole call once validated: operands in slot order for `slots`.
+ffi::Error Execute(ffi::ThreadPool pool, const char* op,
+                   const ffi::AnyBuffer* const* operands, const int* slots,
+                   int n, ffi::AnyBuffer* out, ffi::AnyBuffer* tie,
+                   int variant_key) {
+  ffi::DataType dt = operands[0]->element_type();
+  for (int k = 0; k < n; ++k) {
+    if (operands[k]->element_type() != dt || out->element_type() != dt) {
+      return ffi::Error::InvalidArgument(
+          std::string(op) + ": operand and result dtypes must match, got " +
+          DtypeString(operands[k]->element_type()) + " and " +
+          DtypeString(out->element_type()));
+    }
+  }
+  if (!SupportedDtype(dt)) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": unsupported dtype " + DtypeString(dt) +
+        " (supported: float32, float64, float16, bfloat16)");
+  }
+  auto job = std::make_shared<Job>();
+  Call& call = job->call;
+  ffi::Span<const int64_t> dims[kMaxOperands];
+  for (int k = 0; k < n; ++k) dims[k] = operands[k]->dimensions();
+  if (ffi::Error e = Collapse(op, dims, n, out->dimensions(), &call.c);
+      e.failure()) {
+    return e;
+  }
+  if (tie != nullptr) {
+    if (tie->element_type() != ffi::DataType::PRED ||
+        tie->element_count() != static_cast<size_t>(call.c.total)) {
+      return ffi::Error::InvalidArgument(std::string(op) +
+                                         ": the tie output must be bool[out]");
+    }
+  }
+  if (call.c.total == 0) return ffi::Error::Success();
+  for (int k = 0; k < n; ++k) {
+    call.slot_of[k] = slots[k];
+    call.data[k] = operands[k]->untyped_data();
+  }
+  call.out = out->untyped_data();
+  call.tie = tie ? static_cast<uint8_t*>(tie->untyped_data()) : nullptr;
+  call.itemsize = Itemsize(dt);
+  call.block = PickBlock(ToDtype(dt), variant_key | (tie ? 32 : 0));
+  PlanRuns(&call);
+
+  const int64_t total = call.c.total;
+  const size_t out_bytes = out->size_bytes();
+  size_t touched = out_bytes;
+  for (int k = 0; k < n; ++k) touched += operands[k]->size_bytes();
+  const int streaming = g_streaming.load(std::memory_order_relaxed);
+  call.stream = JF_X86 && (streaming == 1 ||
+                           (streaming < 0 && static_cast<int64_t>(touched) >=
+                                                 StreamingThresholdBytes()));
+#if JF_X86
+  call.stream = call.stream && HaveAvx2();
+#endif
+  AdviseHugePages(call.out, out_bytes);
+
+  int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  const int64_t cap = g_max_threads.load(std::memory_order_relaxed);
+  if (cap > 0) workers = std::min(workers, cap);
+  workers = std::min<int64_t>(workers, total / kMinChunk);
+  if (workers <= 1) {
+    RunRange(call, 0, total, ThreadScratch());
+    return ffi::Error::Success();
+  }
+  // A few chunks per worker for load balance, each >= kMinChunk.
+  int64_t chunk = std::max<int64_t>(kMinChunk, total / (workers * 4));
+  chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+  job->total = total;
+  job->chunk = chunk;
+  job->nchunks = (total + chunk - 1) / chunk;
+  for (int64_t w = 1; w < workers; ++w) {
+    // The task owns a reference: it may run after this handler returned, in
+    // which case it finds no chunk left and touches nothing.
+    pool.Schedule([job] { job->Work(); });
+  }
+  job->Work();
+  // Every chunk is claimed now; wait only for those still running elsewhere.
+  int spins = 0;
+  while (job->done.load(std::memory_order_acquire) < job->nchunks) {
+    if (++spins > 64) std::this_thread::yield();
+  }
+  return ffi::Error::Success();
+}
+
+// --- jaxfuse_add_relu: max(a + b, 0) ---------------------------------------
+ffi::Error AddReluCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer a,
+                          ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out) {
+  const ffi::AnyBuffer* ops[2] = {&a, &b};
+  const int slots[2] = {kX, kT};
+  return Execute(pool, "jaxfuse_add_relu", ops, slots, 2, &*out, nullptr,
+                 VariantKey(false, false, false, false, true, false));
+}
+
+// --- jaxfuse_epilogue: relu(((x - m) * s + t) + r) [, tie] -----------------
+ffi::Error EpilogueCpuImpl(ffi::ThreadPool pool, ffi::RemainingArgs args,
+                           ffi::RemainingRets rets, bool mean, bool scale,
+                           bool residual, bool contract, bool narrow_each_op,
+                           bool tie) {
+  const char* op = "jaxfuse_epilogue";
+  int slots[kMaxOperands], n = 0;
+  slots[n++] = kX;
+  if (mean) slots[n++] = kM;
+  if (scale) slots[n++] = kS;
+  slots[n++] = kT;
+  if (residual) slots[n++] = kR;
+  if (args.size() != static_cast<size_t>(n) ||
+      rets.size() != static_cast<size_t>(tie ? 2 : 1)) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": expected " + std::to_string(n) + " operands and " +
+        std::to_string(tie ? 2 : 1) + " results for these attributes, got " +
+        std::to_string(args.size()) + " and " + std::to_string(rets.size()));
+  }
+  if (mean && !scale) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": a mean needs a scale");
+  }
+  std::vector<ffi::AnyBuffer> bufs;
+  bufs.reserve(n);
+  for (int k = 0; k < n; ++k) {
+    auto arg = args.get<ffi::AnyBuffer>(k);
+    if (arg.has_error()) return arg.error();
+    bufs.push_back(arg.value());
+  }
+  const ffi::AnyBuffer* ops[kMaxOperands];
+  for (int k = 0; k < n; ++k) ops[k] = &bufs[k];
+  auto out = rets.get<ffi::AnyBuffer>(0);
+  if (out.has_error()) return out.error();
+  ffi::AnyBuffer out_buf = *out.value();
+  std::vector<ffi::AnyBuffer> tie_buf;
+  if (tie) {
+    auto t = rets.get<ffi::AnyBuffer>(1);
+    if (t.has_error()) return t.error();
+    tie_buf.push_back(*t.value());
+  }
+  return Execute(pool, op, ops, slots, n, &out_buf,
+                 tie ? &tie_buf[0] : nullptr,
+                 VariantKey(mean, scale, residual, contract, narrow_each_op,
+                            false));
+}
+
+}  // namespace
+}  // namespace jaxfuse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddReluCpu, jaxfuse::AddReluCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EpilogueCpu, jaxfuse::EpilogueCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<bool>("mean")
+                                  .Attr<bool>("scale")
+                                  .Attr<bool>("residual")
+                                  .Attr<bool>("contract")
+                                  .Attr<bool>("narrow_each_op")
+                                  .Attr<bool>("tie"));

@@ -1,0 +1,143 @@
+// jaxfuse: the one scalar definition of every fused epilogue.
+//
+//   v   = ((x - m) * s + t) + r        (m, s, r optional; add_relu is x + t)
+//   out = max(v, 0)                    (NaN kept, -0 -> +0; add_relu_scalar.h)
+//   tie = (v == 0)                     (optional second output, for gradients)
+//
+// This is what XLA computes for the same expression written with lax ops, on
+// the same platform, and the per-platform rules that make it bit-identical are
+// the two switches below. Measured against XLA:CPU (jaxlib 0.10.2 and 0.11.2,
+// x86-64 with FMA; tests/test_epilogue_numerics.py pins them):
+//
+//   * kContract: XLA:CPU contracts `v * s + t` into one fused multiply-add
+//     inside its loop fusions for float32 and float64 (every one of 4096
+//     random results equal to the FMA, ~13% different from two roundings),
+//     `(x - m) * s + t` as fma(x - m, s, t), `x * s + t + r` as
+//     fma(x, s, t) + r. XLA:GPU did not contract float32 on an H200.
+//   * kNarrowEachOp: for float16 / bfloat16, XLA:CPU rounds every operation to
+//     the narrow type (widen both operands to f32, operate, round), and never
+//     contracts there. Without it the whole expression runs in f32 and is
+//     rounded once at the end (XLA's "excess precision"), a rule a platform
+//     may choose instead.
+//
+// NaN: a NaN anywhere gives a NaN; which operand's payload survives is only
+// pinned for add_relu (add_relu_scalar.h). Denormals: the host runs under
+// FTZ/DAZ like XLA:CPU (set by the caller), the device does not flush.
+#ifndef JAXFUSE_EPILOGUE_SCALAR_H_
+#define JAXFUSE_EPILOGUE_SCALAR_H_
+
+#include <math.h>
+
+#include "add_relu_scalar.h"
+
+namespace jaxfuse {
+
+// The terms a fused epilogue has, and how the platform rounds it.
+template <bool Mean, bool Scale, bool Residual, bool Contract,
+          bool NarrowEachOp = true>
+struct Form {
+  static constexpr bool kMean = Mean;
+  static constexpr bool kScale = Scale;
+  static constexpr bool kResidual = Residual;
+  static constexpr bool kContract = Contract;
+  static constexpr bool kNarrowEachOp = NarrowEachOp;
+};
+
+using AddForm = Form<false, false, false, false>;  // add_relu: x + t
+
+JF_HD float fma_any(float a, float b, float c) {
+#if JF_DEVICE_CODE
+  return __fmaf_rn(a, b, c);
+#else
+  return __builtin_fmaf(a, b, c);
+#endif
+}
+JF_HD double fma_any(double a, double b, double c) {
+#if JF_DEVICE_CODE
+  return __fma_rn(a, b, c);
+#else
+  return __builtin_fma(a, b, c);
+#endif
+}
+
+// The pre-activation v in a wide type (float, double). Absent operands are
+// ignored. add_xla keeps add_relu's "first operand's NaN" rule.
+template <class F, class T>
+JF_HD T preactivation(T x, T m, T s, T t, T r) {
+  T v = x;
+  if constexpr (F::kMean) v = v - m;
+  if constexpr (F::kScale) {
+    if constexpr (F::kContract) {
+      v = fma_any(v, s, t);
+    } else {
+      v = v * s;
+      v = v + t;
+    }
+  } else {
+    v = add_xla(v, t);
+  }
+  if constexpr (F::kResidual) v = v + r;
+  return v;
+}
+
+// Rounding an f32 value to a narrow type's precision, staying in f32.
+JF_HD float round_to(F16Tag, float v) { return f16_to_f32(f32_to_f16(v)); }
+JF_HD float round_to(BF16Tag, float v) { return bf16_to_f32(f32_to_bf16(v)); }
+JF_HD uint16_t narrow(F16Tag, float v) { return f32_to_f16(v); }
+JF_HD uint16_t narrow(BF16Tag, float v) { return f32_to_bf16(v); }
+JF_HD float widen(F16Tag, uint16_t h) { return f16_to_f32(h); }
+JF_HD float widen(BF16Tag, uint16_t h) { return bf16_to_f32(h); }
+
+// The pre-activation of narrow operands (already widened to f32), rounded to
+// the narrow precision after each operation or, without kNarrowEachOp, once.
+template <class F, class Tag>
+JF_HD float preactivation_narrow(Tag tag, float x, float m, float s, float t,
+                                 float r) {
+  auto rnd = [tag](float v) {
+    return F::kNarrowEachOp ? round_to(tag, v) : v;
+  };
+  float v = x;
+  if constexpr (F::kMean) v = rnd(v - m);
+  if constexpr (F::kScale) {
+    if constexpr (F::kContract) {
+      v = rnd(fma_any(v, s, t));
+    } else {
+      v = rnd(v * s);
+      v = rnd(v + t);
+    }
+  } else {
+    v = rnd(add_xla(v, t));
+  }
+  if constexpr (F::kResidual) v = rnd(v + r);
+  return round_to(tag, v);
+}
+
+// One element, every storage type: the output, and v == 0 for the tie mask.
+template <class F>
+JF_HD float epilogue(float x, float m, float s, float t, float r, bool* tie) {
+  float v = preactivation<F>(x, m, s, t, r);
+  *tie = v == 0.0f;
+  return relu_keep_nan(v);
+}
+template <class F>
+JF_HD double epilogue(double x, double m, double s, double t, double r,
+                      bool* tie) {
+  double v = preactivation<F>(x, m, s, t, r);
+  *tie = v == 0.0;
+  return relu_keep_nan(v);
+}
+template <class F, class Tag>
+JF_HD uint16_t epilogue(Tag tag, uint16_t x, uint16_t m, uint16_t s,
+                        uint16_t t, uint16_t r, bool* tie) {
+  float v = preactivation_narrow<F>(tag, widen(tag, x), widen(tag, m),
+                                    widen(tag, s), widen(tag, t),
+                                    widen(tag, r));
+  *tie = v == 0.0f;
+  // max in f32, then narrow: v is already representable, so this is the
+  // narrow max (see add_relu in add_relu_scalar.h for why the order is free).
+  return narrow(tag, relu_keep_nan(v));
+}
+
+}  // namespace jaxfuse
+
+#endif  // JAXFUSE_EPILOGUE_SCALAR_H_

@@ -1,0 +1,82 @@
+"""jaxfuse's environment switches, parsed once and validated.
+
+Booleans accept 1/0, true/false, yes/no, on/off (any case); anything else, and
+a number that is not a non-negative integer, keeps the default and warns with
+the variable's name and value. The native kernels never read the environment:
+`_kernels.py` hands them what is parsed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _warn(name: str, value: str, expected: str, default) -> None:
+    warnings.warn(f"jaxfuse: ignoring {name}={value!r}: expected {expected}; using {default!r}",
+                  RuntimeWarning, stacklevel=3)
+
+
+def flag(name: str, default: bool, environ=os.environ) -> bool:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    _warn(name, raw, "1/0, true/false, yes/no or on/off", default)
+    return default
+
+
+def count(name: str, default: int, environ=os.environ) -> int:
+    """A non-negative integer (0 meaning "no limit" where the switch says so)."""
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    v = raw.strip()
+    if v.isdigit():
+        return int(v)
+    _warn(name, raw, "a non-negative integer", default)
+    return default
+
+
+def choice(name: str, default: str, options: tuple[str, ...], environ=os.environ) -> str:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    v = raw.strip().lower()
+    if v in options:
+        return v
+    _warn(name, raw, " or ".join(options), default)
+    return default
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    disable_kernels: bool
+    """JAXFUSE_DISABLE_KERNELS: lower every fused op to XLA's own ops."""
+    huge_pages: bool
+    """JAXFUSE_NO_MADVISE (inverted): huge-page advice on large CPU outputs."""
+    cpu_max_threads: int
+    """JAXFUSE_CPU_MAX_THREADS: cap on the CPU kernel's threads (0: none)."""
+    cpu_streaming: str
+    """JAXFUSE_CPU_STREAMING: auto (beyond the last-level cache), on or off."""
+
+
+def read(environ=os.environ) -> Settings:
+    streaming = choice("JAXFUSE_CPU_STREAMING", "auto", ("auto", "on", "off", "1", "0"), environ)
+    return Settings(
+        disable_kernels=flag("JAXFUSE_DISABLE_KERNELS", False, environ),
+        huge_pages=not flag("JAXFUSE_NO_MADVISE", False, environ),
+        cpu_max_threads=count("JAXFUSE_CPU_MAX_THREADS", 0, environ),
+        cpu_streaming={"1": "on", "0": "off"}.get(streaming, streaming),
+    )
+
+
+SETTINGS = read()

@@ -1,0 +1,47 @@
+"""How XLA rounds a multi-operation epilogue on each platform, so the kernel can
+round the same way (csrc/epilogue_scalar.h has the arithmetic).
+
+`contract`: `v * s + t` is one fused multiply-add. `narrow_each_op`: float16 /
+bfloat16 round to the narrow type after every operation (otherwise: computed
+in float32, rounded once). Each entry says where it comes from; the tests in
+tests/test_epilogue_numerics.py (CPU) and tests/test_gpu.py (CUDA) compare the
+kernel with XLA on that platform and fail when an entry is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Rounding:
+    contract: bool
+    narrow_each_op: bool
+    source: str
+
+
+_WIDE = (np.dtype(np.float32), np.dtype(np.float64))
+
+# Measured: XLA:CPU (jaxlib 0.10.2 and 0.11.2, x86-64 with FMA) contracted all
+# 4096 float32 and float64 results of x*s+t, (x-m)*s+t and x*s+t+r; for float16
+# and bfloat16 it rounded every operation to the narrow type (0 of 4096 differ).
+_CPU_WIDE = Rounding(True, True, "measured on XLA:CPU (jax 0.10.2, 0.11.2)")
+_CPU_NARROW = Rounding(False, True, "measured on XLA:CPU (jax 0.10.2, 0.11.2)")
+# Measured: XLA:GPU on an H200 (jax 0.11.2) gave float32 relu(x*s+t) the same
+# bits with and without a fusion barrier between mul and add: no contraction.
+_CUDA_F32 = Rounding(False, True, "measured on XLA:GPU, H200, jax 0.11.2")
+# Not yet measured on a GPU: float64 assumed like float32; float16/bfloat16
+# assumed rounded per operation like XLA:CPU. tests/test_gpu.py checks both.
+_CUDA_OTHER = Rounding(False, True, "assumed (like float32 / like XLA:CPU); checked by tests/test_gpu.py")
+
+
+def rounding(platform: str, dtype) -> Rounding:
+    dtype = np.dtype(dtype)
+    if platform == "cpu":
+        return _CPU_WIDE if dtype in _WIDE else _CPU_NARROW
+    if platform == "cuda":
+        return _CUDA_F32 if dtype == np.float32 else _CUDA_OTHER
+    # Other platforms lower to XLA's own ops, which round as that platform does.
+    return Rounding(False, True, f"{platform}: XLA's own ops, no kernel")
