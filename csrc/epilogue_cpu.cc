@@ -333,8 +333,20 @@ template <int K>
 using FormOf = Form<(K & 1) != 0, (K & 2) != 0, (K & 4) != 0, (K & 8) != 0,
                     (K & 16) != 0>;
 
+// Keys that name a distinct kernel: a mean needs a scale, contraction only
+// means something with a scale, rounding per operation only for 2-byte types.
+template <int D, int K>
+constexpr bool Distinct() {
+  constexpr bool mean = K & 1, scale = K & 2, contract = K & 8, each_op = K & 16;
+  const bool narrow = D == kF16 || D == kBF16;
+  return (!mean || scale) && (!contract || scale) && (narrow || each_op);
+}
+
 template <int D, int K>
 BlockFn PickOne() {
+  if constexpr (!Distinct<D, K>()) {
+    return nullptr;
+  } else {
   using F = FormOf<K>;
   constexpr bool kTie = (K & 32) != 0;
 #if JF_X86
@@ -349,6 +361,7 @@ BlockFn PickOne() {
   if constexpr (D == kF64) return &WideBase<F, double, kTie>;
   if constexpr (D == kF16) return &NarrowBase<F, F16Tag, kTie>;
   return &NarrowBase<F, BF16Tag, kTie>;
+  }
 }
 
 template <int D, int... Ks>
@@ -392,7 +405,9 @@ JF_AVX2 void StreamCopyAvx2(void* dst, const void* src, size_t bytes) {
 // ---------------------------------------------------------------------------
 // Runs: the walk over the collapsed broadcast.
 // ---------------------------------------------------------------------------
-constexpr int64_t kBlock = 256;    // elements per block-kernel call
+// Elements per block-kernel call: long enough that the call costs nothing
+// against the work, short enough that splat and streaming blocks stay in L1/L2.
+constexpr int64_t kBlock = 2048;
 constexpr int64_t kTileMin = 256;  // rows shorter than this are tiled
 constexpr int64_t kTileCap = 2 * kTileMin + kBlock;
 
@@ -548,7 +563,7 @@ void RunRange(const Call& call, int64_t lo, int64_t hi, Scratch* sc) {
 #endif
 }
 
-// Scratch is ~45 KB: allocated once per thread that ever runs a range.
+// Scratch (~250 KB) is allocated once per thread that ever runs a range.
 Scratch* ThreadScratch() {
   thread_local std::unique_ptr<Scratch> scratch;
   if (!scratch) scratch = std::make_unique<Scratch>();
@@ -666,7 +681,14 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
   call.out = out->untyped_data();
   call.tie = tie ? static_cast<uint8_t*>(tie->untyped_data()) : nullptr;
   call.itemsize = Itemsize(dt);
-  call.block = PickBlock(ToDtype(dt), variant_key | (tie ? 32 : 0));
+  const Dtype d = ToDtype(dt);
+  int key = variant_key | (tie ? 32 : 0);
+  if (d == kF32 || d == kF64) key |= 16;  // rounding per operation: narrow types only
+  call.block = PickBlock(d, key);
+  if (call.block == nullptr) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": unsupported combination of attributes");
+  }
   PlanRuns(&call);
 
   const int64_t total = call.c.total;
@@ -762,8 +784,8 @@ ffi::Error EpilogueCpuImpl(ffi::ThreadPool pool, ffi::RemainingArgs args,
   }
   return Execute(pool, op, ops, slots, n, &out_buf,
                  tie ? &tie_buf[0] : nullptr,
-                 VariantKey(mean, scale, residual, contract, narrow_each_op,
-                            false));
+                 VariantKey(mean, scale, residual, contract && scale,
+                            narrow_each_op, false));
 }
 
 }  // namespace

@@ -240,3 +240,7 @@ def definition_site(fun) -> tuple[str, int] | None:
 
 def new_var(aval):
     return Var(aval)
+
+
+def no_effects():
+    return _xcore.no_effects

@@ -29,16 +29,19 @@ import numpy as np
 import jax
 
 import jaxfuse
-from jaxfuse import add_relu_p
+from jaxfuse import add_relu_p, epilogue_p
 from jaxfuse.rewrite.subjaxprs import all_eqns
 from conftest import assert_bitwise_equal
 
 _RTOL = {np.dtype(np.float16): 2e-3, np.dtype(jax.numpy.bfloat16): 2e-2}
 
 
+FUSED = (add_relu_p, epilogue_p)
+
+
 def fused_count(closed) -> int:
-    """add_relu_p equations anywhere in a (Closed)Jaxpr, nested bodies included."""
-    return sum(e.primitive is add_relu_p for e in all_eqns(closed))
+    """Fused-op equations anywhere in a (Closed)Jaxpr, nested bodies included."""
+    return sum(e.primitive in FUSED for e in all_eqns(closed))
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,3 +80,9 @@ def assert_trees(got, want, *, exact: bool):
 def assert_values(got, want):
     """Forward values: bitwise unless a kernel keeps XLA from contracting FMAs."""
     assert_trees(got, want, exact=not kernel_active())
+
+
+# The pass's mechanics (matching, safety, composition) are tested with every
+# safe site fused; test_cost_model.py pins what policy="auto" decides.
+fuse = functools.partial(jaxfuse.optimize, policy="always")
+explain_all = functools.partial(jaxfuse.explain, policy="always")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxfuse
+from rewrite_support import explain_all, fuse
 
 from conftest import assert_bitwise_equal, random_operand
 
@@ -99,7 +100,7 @@ def test_optimized_function_runs_our_kernel_on_gpu(rng):
     f = lambda x, b: jax.nn.relu(x + b) * 2.0
     x = jax.device_put(random_operand(rng, (256, 512), jnp.bfloat16), _gpu())
     b = jax.device_put(random_operand(rng, (512,), jnp.bfloat16), _gpu())
-    opt = jaxfuse.optimize(f)
+    opt = fuse(f)
     assert "@jaxfuse_add_relu" in jax.jit(opt).lower(x, b).as_text()
     assert_bitwise_equal(opt(x, b), jax.jit(f)(x, b))
 

@@ -14,6 +14,7 @@ from jax import lax
 from jax.extend.core import new_jaxpr_eqn
 
 import jaxfuse
+from rewrite_support import explain_all, fuse
 import jaxfuse.rewrite as R
 from jaxfuse.rewrite import Match, Pattern
 from conftest import assert_bitwise_equal
@@ -61,13 +62,13 @@ def test_registered_toy_pattern_rewrites_and_reports(toy):
         return x * 2.0, jax.nn.relu(x * 2.0 + 1.0), i * 2
 
     x, i = jnp.array([1.5, -0.0, np.inf, np.nan]), jnp.arange(4)
-    report = jaxfuse.explain(f, x, i)
+    report = explain_all(f, x, i)
     names = sorted((s.pattern, s.fused) for s in report)
     assert names == [("add_relu", True), ("double_to_add", False),
                      ("double_to_add", True), ("double_to_add", True)]
     (declined,) = report.rejected
     assert declined.reason == "toy declines int32" and declined.spelling == "x * 2"
-    out = jaxfuse.optimize(f)
+    out = fuse(f)
     inner = jax.make_jaxpr(out)(x, i).jaxpr.eqns[0].params["jaxpr"]
     assert prims(inner).count("mul") == 1  # only the integer one is left
     for got, want in zip(out(x, i), jax.jit(f)(x, i)):
@@ -77,12 +78,12 @@ def test_registered_toy_pattern_rewrites_and_reports(toy):
 def test_patterns_argument_selects(toy):
     f = lambda x: jax.nn.relu(x * 2.0 + 1.0)  # noqa: E731
     x = jnp.ones(3)
-    only_toy = jaxfuse.explain(jaxfuse.optimize(f, patterns=["double_to_add"]), x)
+    only_toy = explain_all(fuse(f, patterns=["double_to_add"]), x)
     assert [s.pattern for s in only_toy] == ["double_to_add"]
-    assert [s.pattern for s in jaxfuse.explain(jaxfuse.optimize(f, patterns=[TOY]), x)] == ["double_to_add"]
-    assert len(jaxfuse.explain(jaxfuse.optimize(f, patterns=[]), x)) == 0
+    assert [s.pattern for s in explain_all(fuse(f, patterns=[TOY]), x)] == ["double_to_add"]
+    assert len(explain_all(fuse(f, patterns=[]), x)) == 0
     with pytest.raises(KeyError):
-        jaxfuse.optimize(f, patterns=["no_such_pattern"])
+        fuse(f, patterns=["no_such_pattern"])
 
 
 def test_registry_guards(toy):
@@ -110,7 +111,7 @@ def test_walker_declines_a_match_that_absorbs_a_value_used_elsewhere():
         y = jnp.sin(x)
         return y * 3.0, y
 
-    report = jaxfuse.explain(jaxfuse.optimize(f, patterns=[greedy]), jnp.ones(3))
+    report = explain_all(fuse(f, patterns=[greedy]), jnp.ones(3))
     (site,) = report.rejected
     assert "`sin` result is also an output" in site.reason
 
@@ -123,7 +124,7 @@ def test_pattern_offered_every_equation_when_roots_is_none():
         return None
 
     spy_pattern = Pattern("spy", spy, lambda m, g: None, lambda m, g: [], roots=None)
-    jaxfuse.explain(jaxfuse.optimize(lambda x: jnp.sin(x) * 2.0 + 1.0, patterns=[spy_pattern]),
+    explain_all(fuse(lambda x: jnp.sin(x) * 2.0 + 1.0, patterns=[spy_pattern]),
                     jnp.ones(3))
     assert seen == ["sin", "mul", "add"]
 

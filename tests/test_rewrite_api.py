@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import jaxfuse
 import jaxfuse.rewrite.api as api
 from conftest import assert_bitwise_equal, random_operand
-from rewrite_support import assert_trees, assert_values, fused_count, kernel_active
+from rewrite_support import assert_trees, assert_values, fused_count, kernel_active, explain_all, fuse
 
 pytestmark = pytest.mark.filterwarnings("ignore:jaxfuse. no kernel:RuntimeWarning")
 
@@ -33,15 +33,15 @@ def ab(rng):
 
 
 def test_decorator_forms(ab):
-    @jaxfuse.optimize
+    @fuse
     def f1(a, b):
         return model(a, b)
 
-    @jaxfuse.optimize(patterns=["add_relu"])
+    @fuse(patterns=["add_relu"])
     def f2(a, b):
         return model(a, b)
 
-    @jaxfuse.optimize(patterns=[])
+    @fuse(patterns=[])
     def f3(a, b):
         return model(a, b)
 
@@ -58,13 +58,13 @@ def test_pytrees_kwargs_and_static_arguments(ab):
         return {"out": h if mode == "relu" else -h, "aux": [h.sum(), x]}
 
     params = {"w": jnp.ones((8, 8)) * 0.5, "b": ab[1]}
-    g = jaxfuse.optimize(f, static_argnames="mode")
+    g = fuse(f, static_argnames="mode")
     got = g(params, ab[0], scale=2.0, mode="relu")
     assert_values(got, jax.jit(f, static_argnames="mode")(params, ab[0], scale=2.0, mode="relu"))
     got = g(params, ab[0], scale=2.0, mode="neg")
     assert_values(got, jax.jit(f, static_argnames="mode")(params, ab[0], scale=2.0, mode="neg"))
 
-    h = jaxfuse.optimize(lambda n, x: jax.nn.relu(x + 1.0) * n, static_argnums=0)
+    h = fuse(lambda n, x: jax.nn.relu(x + 1.0) * n, static_argnums=0)
     assert_bitwise_equal(h(3, ab[0]), jax.nn.relu(ab[0] + 1.0) * 3)
 
 
@@ -82,7 +82,7 @@ def test_cache_hit_neither_retraces_nor_rewrites(ab, monkeypatch):
         calls["trace"] += 1
         return model(a, b)
 
-    g = jaxfuse.optimize(f)
+    g = fuse(f)
     for _ in range(3):
         g(*ab)
     g(ab[0] + 1.0, ab[1])  # new values, same shapes and dtypes
@@ -116,28 +116,28 @@ def test_composes_with_transformations_in_any_order(name, ab):
     # Derivatives: equal up to XLA's FMA contraction (see rewrite_support).
     check = assert_values if name in ("vmap", "vmap-both", "checkpoint", "jit") else (
         lambda x, y: assert_trees(x, y, exact=False))
-    check(T(jaxfuse.optimize(model))(a, b), ref)   # transform outside
-    check(jaxfuse.optimize(T(model))(a, b), ref)   # transform inside
-    assert fused_count(jax.make_jaxpr(T(jaxfuse.optimize(model)))(a, b)) > 0
+    check(T(fuse(model))(a, b), ref)   # transform outside
+    check(fuse(T(model))(a, b), ref)   # transform inside
+    assert fused_count(jax.make_jaxpr(T(fuse(model)))(a, b)) > 0
     # Inside a derivative the add result also feeds the JVP mask (2 uses), so
     # fewer sites are safe there; whatever explain calls fused is what fuses.
-    report = jaxfuse.explain(T(model), a, b)
-    assert fused_count(jax.make_jaxpr(jaxfuse.optimize(T(model)))(a, b)) == len(report.fused)
+    report = explain_all(T(model), a, b)
+    assert fused_count(jax.make_jaxpr(fuse(T(model)))(a, b)) == len(report.fused)
     assert all("uses" in s.reason for s in report.rejected)
 
 
 def test_applying_twice_changes_nothing_more(ab):
-    once = jaxfuse.optimize(model)
-    assert jaxfuse.optimize(once) is once
+    once = fuse(model)
+    assert fuse(once) is once
     # Even through a jit boundary the fused op is never a candidate again.
-    twice = jaxfuse.optimize(jax.jit(once))
+    twice = fuse(jax.jit(once))
     assert fused_count(jax.make_jaxpr(twice)(*ab)) == fused_count(jax.make_jaxpr(once)(*ab)) == 3
-    assert len(jaxfuse.explain(jax.jit(once), *ab)) == 0
+    assert len(explain_all(jax.jit(once), *ab)) == 0
     assert_values(twice(*ab), jax.jit(model)(*ab))
 
 
 def test_donation_is_forwarded_to_jit(ab):
-    g = jaxfuse.optimize(lambda a, b: jax.nn.relu(a + b), donate_argnums=0)
+    g = fuse(lambda a, b: jax.nn.relu(a + b), donate_argnums=0)
     a = jnp.array(ab[0])
     text = g.lower(a, ab[1]).as_text()
     assert "tf.aliasing_output" in text or "jax.buffer_donor" in text
@@ -146,5 +146,5 @@ def test_donation_is_forwarded_to_jit(ab):
 def test_lowered_program_has_one_custom_call_per_fused_site(ab):
     if not kernel_active():
         pytest.skip("no kernel in use here: the fallback lowering emits no custom call")
-    text = jax.jit(jaxfuse.optimize(model)).lower(*ab).as_text()
-    assert len(re.findall(r"custom_call @jaxfuse_add_relu\b", text)) == 3
+    text = jax.jit(fuse(model)).lower(*ab).as_text()
+    assert len(re.findall(r"custom_call @jaxfuse_(add_relu|epilogue)\b", text)) == 3

@@ -18,7 +18,7 @@ from jax import lax
 
 import jaxfuse
 from conftest import random_operand
-from rewrite_support import assert_trees, fused_count, kernel_active
+from rewrite_support import assert_trees, fused_count, kernel_active, explain_all, fuse
 
 pytestmark = pytest.mark.filterwarnings("ignore:jaxfuse. no kernel:RuntimeWarning")
 
@@ -122,10 +122,10 @@ def test_random_programs(program, dtype, seed):
     inputs = make_inputs(seed, dtype)
 
     candidates, eligible, eligible_live = eligible_sites(steps, outputs, dtype)
-    report = jaxfuse.explain(f, *inputs)
+    report = explain_all(f, *inputs)
     assert len(report.fused) == eligible, (steps, outputs, str(report))
     assert len(report) == candidates, (steps, outputs, str(report))
-    opt = jaxfuse.optimize(f)
+    opt = fuse(f)
     assert fused_count(jax.make_jaxpr(opt)(*inputs)) == eligible
     if kernel_active():  # one custom call per live fused site in the lowered program
         text = jax.jit(opt).lower(*inputs).as_text()

@@ -15,13 +15,13 @@ from jaxfuse import add_relu_p
 from jaxfuse.rewrite import rewrite, registered_patterns
 from jaxfuse.rewrite.subjaxprs import all_eqns
 from conftest import assert_bitwise_equal, random_operand
-from rewrite_support import assert_values
+from rewrite_support import FUSED, assert_values, explain_all, fuse
 
 pytestmark = pytest.mark.filterwarnings("ignore:jaxfuse. no kernel:RuntimeWarning")
 
 
 def fused_eqns(closed):
-    return [e for e in all_eqns(closed) if e.primitive is add_relu_p]
+    return [e for e in all_eqns(closed) if e.primitive in FUSED]
 
 
 def rewritten(f, *args):
@@ -78,10 +78,10 @@ def test_every_relu_spelling_fuses_with_its_gradient_at_zero(name, rng):
     assert [s.fused for s in report] == [True], report
     (eqn,) = fused_eqns(new)
     assert eqn.params["grad_at_zero"] == g0
-    assert_same(jax.jit(f), jaxfuse.optimize(f), a, b)
+    assert_same(jax.jit(f), fuse(f), a, b)
     # Gradients after the rewrite equal those before, ties included.
     loss = lambda f: lambda a, b: jnp.sum(f(a, b) * jnp.arange(1.0, 9.0))  # noqa: E731
-    assert_same(jax.jit(jax.grad(loss(f), (0, 1))), jax.grad(loss(jaxfuse.optimize(f)), (0, 1)), a, b)
+    assert_same(jax.jit(jax.grad(loss(f), (0, 1))), jax.grad(loss(fuse(f)), (0, 1)), a, b)
 
 
 def test_gradient_conventions_measured_at_zero():
@@ -119,7 +119,7 @@ def test_unsafe_sites_are_declined_with_a_reason(name, rng):
     assert len(report.rejected) == 1 and not report.fused, report
     assert why in report.rejected[0].reason
     assert new is closed  # left exactly as it was
-    assert_same(jax.jit(f), jaxfuse.optimize(f), a, b)
+    assert_same(jax.jit(f), fuse(f), a, b)
 
 
 @pytest.mark.parametrize("f", [
@@ -146,7 +146,7 @@ def test_chained_sites_and_scalar_and_bias_operands(rng):
     assert len(report.fused) == 3 and not report.rejected
     assert report.fused[0].shapes == ((4, 8), (1, 8))
     assert report.fused[1].shapes == ((4, 8), ())
-    assert_same(jax.jit(f), jaxfuse.optimize(f), a, b)
+    assert_same(jax.jit(f), fuse(f), a, b)
 
 
 # ------------------------------------------------------------------ nesting
@@ -166,7 +166,7 @@ def test_scan_cond_while_bodies(rng):
     assert paths == ["cond/branch0", "cond/branch1", "scan/body", "scan/body",
                      "while/body", "while/cond"], report
     assert not report.rejected
-    assert_same(jax.jit(f), jaxfuse.optimize(f), a, b)
+    assert_same(jax.jit(f), fuse(f), a, b)
 
 
 def test_jit_keeps_name_shardings_and_donation(rng):
@@ -197,7 +197,7 @@ def test_checkpoint_keeps_its_policy(rng):
     assert eqn.params["policy"] is closed.jaxpr.eqns[0].params["policy"]
     assert [s.path for s in report.fused] == ["checkpoint"]
     g = lambda f: jax.grad(lambda a, b: f(a, b))  # noqa: E731
-    np.testing.assert_array_equal(g(jaxfuse.optimize(f))(a, b), jax.jit(g(f))(a, b))
+    np.testing.assert_array_equal(g(fuse(f))(a, b), jax.jit(g(f))(a, b))
 
 
 def test_custom_jvp_body_rewritten_user_rule_stays_in_charge(rng):
@@ -210,8 +210,8 @@ def test_custom_jvp_body_rewritten_user_rule_stays_in_charge(rng):
     a, b = tie_operands(rng)
     _, new, report = rewritten(layer, a, b)
     assert [s.path for s in report.fused] == ["custom_jvp_call[layer]"]
-    assert_same(jax.jit(layer), jaxfuse.optimize(layer), a, b)
-    grad = jax.grad(lambda a: jaxfuse.optimize(layer)(a, b).sum())(a)
+    assert_same(jax.jit(layer), fuse(layer), a, b)
+    grad = jax.grad(lambda a: fuse(layer)(a, b).sum())(a)
     assert np.all(np.asarray(grad) == 7.0)
 
 
@@ -225,8 +225,8 @@ def test_custom_vjp_body_rewritten_user_bwd_stays_in_charge(rng):
     a, b = tie_operands(rng)
     _, new, report = rewritten(layer, a, b)
     assert [s.path for s in report.fused] == ["custom_vjp_call[layer]"]
-    assert_same(jax.jit(layer), jaxfuse.optimize(layer), a, b)
-    grad = jax.grad(lambda a: jaxfuse.optimize(layer)(a, b).sum())(a)
+    assert_same(jax.jit(layer), fuse(layer), a, b)
+    grad = jax.grad(lambda a: fuse(layer)(a, b).sum())(a)
     assert np.all(np.asarray(grad) == 5.0)
 
 
@@ -246,7 +246,7 @@ def test_unknown_higher_order_primitive_is_left_untouched_and_named(rng):
     assert inside.path.startswith("custom_linear_solve") and "custom_linear_solve" in inside.reason
     assert len(report.fused) == 1  # the site outside still fuses
     assert new.jaxpr.eqns[0] is closed.jaxpr.eqns[0]
-    assert_same(jax.jit(f), jaxfuse.optimize(f), a, b)
+    assert_same(jax.jit(f), fuse(f), a, b)
 
 
 def test_shard_map_body_is_rewritten(rng):
@@ -257,7 +257,7 @@ def test_shard_map_body_is_rewritten(rng):
     closed, new, report = rewritten(sm, a, b)
     (site,) = report.fused
     assert site.path == "shard_map" and not report.skipped
-    assert_same(jax.jit(sm), jaxfuse.optimize(sm), a, b)
+    assert_same(jax.jit(sm), fuse(sm), a, b)
 
 
 # ------------------------------------------------- sharing, mutation, effects
@@ -267,7 +267,7 @@ def test_shared_subjaxpr_rewritten_once_and_originals_not_mutated(rng):
         return jax.nn.relu(x + b)
 
     def f(a, b):
-        return block(block(a, b), b)
+        return block(block(a, b), b)  # <two calls>
 
     a, b = tie_operands(rng)
     closed = jax.make_jaxpr(f)(a, b)
@@ -277,7 +277,11 @@ def test_shared_subjaxpr_rewritten_once_and_originals_not_mutated(rng):
     new, report = rewrite(closed, registered_patterns())
     n1, n2 = new.jaxpr.eqns
     assert n1.params["jaxpr"] is n2.params["jaxpr"]  # still shared: rewritten once
-    assert len(report.fused) == 1
+    # ... but reported once per call, each reached from its own call
+    assert len(report.fused) == 2
+    assert [s.path for s in report.fused] == ["jit[block]", "jit[block]"]
+    calls = [s._sources[-1] for s in report.fused]
+    assert calls[0] is e1.source_info and calls[1] is e2.source_info
     assert str(closed) == text and list(closed.jaxpr.eqns) == eqns
     assert not fused_eqns(closed)
 
@@ -312,7 +316,7 @@ def test_effects_and_callbacks_survive(rng, capfd):
     a, b = tie_operands(rng)
     _, new, report = rewritten(f, a, b)
     assert len(report.fused) == 2
-    jax.block_until_ready(jaxfuse.optimize(f)(a, b))
+    jax.block_until_ready(fuse(f)(a, b))
     jax.effects_barrier()
     out = capfd.readouterr().out
     assert out.count("sum=") == 1 and out.count("step") == 4
@@ -330,5 +334,5 @@ def test_fused_equation_keeps_the_sites_source_info(rng):
     kept = [e for e in new.jaxpr.eqns if e is not fused]
     assert all(any(e is o for o in closed.jaxpr.eqns) for e in kept)
     # and it reaches the lowered program as a location in this file
-    text = jaxfuse.optimize(f).lower(a, b).as_text(debug_info=True)
+    text = fuse(f).lower(a, b).as_text(debug_info=True)
     assert "test_rewrite_walker.py" in text

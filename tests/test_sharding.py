@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxfuse
+from rewrite_support import explain_all, fuse
 
 from conftest import assert_bitwise_equal, random_operand
 
@@ -54,7 +55,7 @@ CASES = [
 def _check(f, m, xs, xspec, bs, bspec, rng):
     x = put(random_operand(rng, xs, np.float32), m, xspec)
     b = put(random_operand(rng, bs, np.float32), m, bspec)
-    opt = jax.jit(jaxfuse.optimize(f))
+    opt = jax.jit(fuse(f))
     out = opt(x, b)
     assert_bitwise_equal(out, jax.jit(f)(x, b))
     assert out.sharding.is_equivalent_to(x.sharding, len(xs)), (out.sharding, x.sharding)
@@ -87,7 +88,7 @@ def test_gradient_is_partitioned_too(rng):
     x = put(random_operand(rng, (16, 32), np.float32), m, P("x", None))
     b = put(random_operand(rng, (16, 32), np.float32), m, P("x", None))
     loss = lambda x, b: jnp.sum(jax.nn.relu(x + b) * x)
-    g = jax.jit(jax.grad(jaxfuse.optimize(loss)))
+    g = jax.jit(jax.grad(fuse(loss)))
     assert_bitwise_equal(g(x, b), jax.jit(jax.grad(loss))(x, b))
     hlo = g.lower(x, b).compile().as_text()
     assert "jaxfuse_add_relu" in hlo
@@ -102,7 +103,7 @@ def test_gradient_wrt_a_broadcast_bias(rng, bs, bspec, spelled):
     x = put(random_operand(rng, (16, 32), np.float32, specials=False), m, P(None, "x"))
     b = put(random_operand(rng, bs, np.float32, specials=False), m, bspec)
     loss = lambda x, b: jnp.sum(spelled(x + b) * x)
-    g = jax.jit(jax.grad(jaxfuse.optimize(loss), argnums=(0, 1)))
+    g = jax.jit(jax.grad(fuse(loss), argnums=(0, 1)))
     got, want = g(x, b), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, b)
     for u, v in zip(got, want):
         np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-6)  # reduction order may differ
@@ -130,7 +131,7 @@ def test_shard_map_around_optimized_code(rng):
     m = mesh((8,), ("x",))
     x = put(random_operand(rng, (16, 32), np.float32), m, P("x", None))
     b = put(random_operand(rng, (32,), np.float32), m, P())
-    inner = jaxfuse.optimize(relu_bias)
+    inner = fuse(relu_bias)
     f = jax.jit(shard_map(inner, mesh=m, in_specs=(P("x", None), P()), out_specs=P("x", None)))
     assert_bitwise_equal(f(x, b), jax.jit(relu_bias)(x, b))
     assert "@jaxfuse_add_relu" in f.lower(x, b).as_text()  # local: the plain custom call
@@ -157,8 +158,8 @@ def test_optimize_rewrites_inside_shard_map(rng):
     x = put(random_operand(rng, (16, 32), np.float32), m, P("x", None))
     b = put(random_operand(rng, (32,), np.float32), m, P())
     sm = shard_map(relu_bias, mesh=m, in_specs=(P("x", None), P()), out_specs=P("x", None))
-    assert [s.path for s in jaxfuse.explain(sm, x, b).fused] == ["shard_map"]
-    f = jax.jit(jaxfuse.optimize(sm))
+    assert [s.path for s in explain_all(sm, x, b).fused] == ["shard_map"]
+    f = jax.jit(fuse(sm))
     assert_bitwise_equal(f(x, b), jax.jit(relu_bias)(x, b))
     hlo = f.lower(x, b).compile().as_text()
     assert hlo.count('custom_call_target="jaxfuse_add_relu"') == 1

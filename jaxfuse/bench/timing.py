@@ -59,12 +59,13 @@ MAX_BUFFER_SETS = 1024
 
 @dataclass(frozen=True)
 class Stats:
-    """Summary of per-call times in seconds."""
+    """Summary of per-call times in seconds (and the samples, in round order)."""
 
     median: float
     min: float
     max: float
     n: int
+    samples: tuple = ()
 
 
 def summarize(samples: Sequence[float]) -> Stats:
@@ -72,7 +73,32 @@ def summarize(samples: Sequence[float]) -> Stats:
     if len(samples) == 0:
         raise ValueError("summarize() needs at least one sample")
     xs = [float(s) for s in samples]
-    return Stats(median=statistics.median(xs), min=min(xs), max=max(xs), n=len(xs))
+    return Stats(median=statistics.median(xs), min=min(xs), max=max(xs), n=len(xs),
+                 samples=tuple(xs))
+
+
+def ratio_ci(a: Sequence[float], b: Sequence[float], *, level: float = 0.95,
+             resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """(median, low, high) of the time ratio a/b from paired samples.
+
+    Sample r of `a` and of `b` were taken in the same interleaved round, so
+    their ratio cancels drift that both saw; the interval is a percentile
+    bootstrap of the median of those per-round ratios (rounds resampled).
+    """
+    import random
+
+    ratios = [x / y for x, y in zip(a, b) if y > 0]
+    if not ratios:
+        raise ValueError("ratio_ci() needs paired, positive samples")
+    med = statistics.median(ratios)
+    if len(ratios) == 1:
+        return med, med, med
+    rng = random.Random(seed)
+    n = len(ratios)
+    boots = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(resamples))
+    lo = boots[int((1 - level) / 2 * (resamples - 1))]
+    hi = boots[int((1 + level) / 2 * (resamples - 1))]
+    return med, lo, hi
 
 
 def rotation_count(

@@ -85,7 +85,7 @@ def add_relu_f(a, b):
 
 def fuse(f: Callable) -> Callable:
     """The ``jaxfuse`` mode: the optimization pass applied to ``f``."""
-    return jaxfuse.optimize(f)
+    return jaxfuse.optimize(f, policy="always")
 
 
 # The two halves of the ``unfused`` mode: two executables, the sum materialized.

@@ -3,8 +3,10 @@
 `optimize` returns a `jax.jit` of a function that traces the user's function
 to a jaxpr, rewrites it and binds the result into jit's own trace. Tracing and
 rewriting therefore happen exactly when jit traces, so jit's cache (and its
-C++ dispatch path) is the cache: a hit re-traces and re-rewrites nothing.
-Composition with grad/vmap/jit/checkpoint comes from the fused primitive's
+C++ dispatch path) is the cache: a hit re-traces and re-rewrites nothing. The
+traced function is kept per user function and options (weakly), so even
+`jaxfuse.optimize(g)(x)` written inline traces `g` once per signature.
+Composition with grad/vmap/jit/checkpoint comes from the fused primitives'
 own rules, since what jit sees is an ordinary jaxpr.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -19,6 +22,7 @@ import numpy as np
 import jax
 
 from .. import _compat as C
+from . import cost as _cost
 from .patterns import resolve
 from .report import Report
 from .walker import rewrite
@@ -28,9 +32,11 @@ _INFO = "_jaxfuse_optimized"
 
 class _Optimized(NamedTuple):
     wrapper: Callable   # the jitted function this record belongs to
-    fun: Callable
+    fun: Callable       # held strongly here: the traced function holds it weakly
     patterns: tuple
     static: tuple
+    policy: str
+    autotuner: object
 
 
 def _info(fun) -> _Optimized | None:
@@ -40,57 +46,171 @@ def _info(fun) -> _Optimized | None:
     return info if info is not None and info.wrapper is fun else None
 
 
-def optimize(fun: Callable | None = None, *, patterns=None, **jit_kwargs):
-    """Rewrites every safe fusion site of `fun` and jit-compiles the result.
+def _check_policy(policy: str) -> str:
+    if policy not in _cost.POLICIES:
+        raise ValueError(f"jaxfuse: policy must be one of {', '.join(map(repr, _cost.POLICIES))}, "
+                         f"got {policy!r}")
+    return policy
 
-    Usable as `@optimize` or `@optimize(patterns=..., static_argnums=...)`.
+
+def optimize(fun: Callable | None = None, *, policy: str = "auto", patterns=None,
+             autotuner=None, **jit_kwargs):
+    """Rewrites `fun`'s fusion sites and jit-compiles the result.
+
+    Usable as `@optimize` or `@optimize(policy=..., static_argnums=...)`.
+
+    `policy`:
+      * "auto" (default): fuse a site only where the cost model says the custom
+        call cannot lose to XLA's own fusion on the platform being compiled for
+        (jaxfuse/rewrite/cost.py; `explain` gives every decline's reason);
+      * "always": every safe site (for tests and benchmarks);
+      * "measure": time the candidate programs on the device the first time a
+        signature is traced and keep the fastest, remembered on disk
+        (`jaxfuse.tuning`); `autotuner` overrides its settings.
     `patterns`: names or `Pattern`s; None means every pattern registered when
     `optimize` is called. Other keyword arguments go to `jax.jit`
     (`static_argnums`, `static_argnames`, `donate_argnums`, ...).
     """
     if fun is None:
-        return functools.partial(optimize, patterns=patterns, **jit_kwargs)
+        return functools.partial(optimize, policy=policy, patterns=patterns,
+                                 autotuner=autotuner, **jit_kwargs)
+    _check_policy(policy)
     pats = resolve(patterns)
     info = _info(fun)
-    if info is not None and info.patterns == pats and not jit_kwargs:
-        return fun  # already optimized with these patterns: nothing more to do
-
-    @functools.wraps(fun)
-    def traced(*args, **kwargs):
-        # Called by jit with tracers for the dynamic arguments and concrete
-        # values for the static ones; only the tracers become jaxpr inputs.
-        flat_fun, dynamic = _split_dynamic(fun, args, kwargs, C.is_tracer_leaf)
-        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
-        new, _ = rewrite(closed, pats)
-        out = C.eval_closed(new, *dynamic)
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
-
+    if (info is not None and (info.patterns, info.policy, info.autotuner) == (pats, policy, autotuner)
+            and not jit_kwargs):
+        return fun  # already optimized with these options: nothing more to do
+    traced = _traced_for(fun, pats, policy, autotuner, jit_kwargs)
     jitted = jax.jit(traced, **jit_kwargs)
     try:
-        setattr(jitted, _INFO, _Optimized(jitted, fun, pats, _static_spec(jit_kwargs)))
+        setattr(jitted, _INFO, _Optimized(jitted, fun, pats, _static_spec(jit_kwargs), policy,
+                                          autotuner))
     except AttributeError:  # pragma: no cover - a jit wrapper that refuses attributes
         pass
     return jitted
 
 
-def explain(fun: Callable, *args, **kwargs) -> Report:
+# ------------------------------------------------------------- the traced fn
+class _Traced:
+    """What jax.jit traces: the user's function to a jaxpr, rewritten, bound.
+
+    Holds the user's function weakly when it can (the jitted wrapper holds it
+    strongly), so a cache of these keyed by that function never keeps it alive.
+    """
+
+    def __init__(self, fun, patterns, policy, autotuner, tune_kwargs):
+        self._fun = _weak(fun)
+        self.patterns, self.policy, self.autotuner = patterns, policy, autotuner
+        self.tune_kwargs = tune_kwargs
+        for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+            try:
+                setattr(self, attr, getattr(fun, attr))
+            except AttributeError:
+                pass
+        try:  # jit resolves static_argnames against this
+            self.__signature__ = inspect.signature(fun)
+        except (TypeError, ValueError):
+            pass
+
+    def __call__(self, *args, **kwargs):
+        fun = self._fun()
+        if jax.config.jax_disable_jit:
+            return fun(*args, **kwargs)  # jit runs eagerly: so does the user's code
+        # Called by jit with tracers for the dynamic arguments and concrete
+        # values for the static ones; only the tracers become jaxpr inputs.
+        flat_fun, dynamic = _split_dynamic(fun, args, kwargs, C.is_tracer_leaf)
+        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
+        new = self.rewritten(closed, dynamic)
+        out = C.eval_closed(new, *dynamic)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
+
+    def rewritten(self, closed, dynamic):
+        if self.policy == "measure":
+            from .. import tuning
+            return tuning.choose(closed, self.patterns, dynamic, self.autotuner,
+                                 donate=self.tune_kwargs.get("donate_argnums"))
+        return rewrite(closed, self.patterns, cost=_cost_model(self.policy))[0]
+
+
+def _cost_model(policy: str, platform: str | None = None):
+    return _cost.CostModel(platform) if policy == "auto" else None
+
+
+def _weak(fun):
+    if inspect.ismethod(fun):
+        return weakref.WeakMethod(fun)
+    try:
+        return weakref.ref(fun)
+    except TypeError:
+        return lambda: fun
+
+
+_TRACED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _traced_for(fun, patterns, policy, autotuner, jit_kwargs) -> _Traced:
+    key = (patterns, policy, id(autotuner), bool(jit_kwargs.get("donate_argnums")))
+    try:
+        per_fun = _TRACED.setdefault(fun, {})
+    except TypeError:  # unhashable or not weakly referenceable: no cache
+        return _Traced(fun, patterns, policy, autotuner, jit_kwargs)
+    traced = per_fun.get(key)
+    if traced is None or traced.autotuner is not autotuner:
+        traced = per_fun[key] = _Traced(fun, patterns, policy, autotuner, jit_kwargs)
+    return traced
+
+
+# ------------------------------------------------------------------ explain
+def explain(fun: Callable, *args, policy: str | None = None, platform: str | None = None,
+            **kwargs) -> Report:
     """Which sites of `fun(*args, **kwargs)` `optimize` fuses, and why not the rest.
 
     Arguments may be arrays, Python scalars or `jax.ShapeDtypeStruct`s; other
     leaves (strings, ...) and the static arguments of an optimized function are
     treated as static. Given an optimized function, explains the function it
-    wraps with the patterns it was optimized with.
+    wraps with its patterns and policy. `policy` overrides it ("auto" for a
+    plain function); `platform` is the one the cost decisions are made for
+    (default: the arguments' devices, else the default backend, as jit does).
     """
     info = _info(fun)
     if info is None:
-        pats, static = resolve(None), None
+        pats, static, default_policy = resolve(None), None, "auto"
     else:
-        fun, pats, static = info.fun, info.patterns, info.static
+        fun, pats, static, default_policy = info.fun, info.patterns, info.static, info.policy
+    policy = _check_policy(policy or default_policy)
+    if policy == "measure":
+        policy = "auto"  # explain reports what the cost model says; tuning may still override
+    platform = platform or _platform_of(args, kwargs)
     args, kwargs = _mark_static(fun, args, kwargs, static)
     flat_fun, dynamic = _split_dynamic(fun, args, kwargs, _is_dynamic_leaf)
     closed = jax.make_jaxpr(flat_fun)(*dynamic)
-    _, report = rewrite(closed, pats, C.definition_site(fun))
+    _, report = rewrite(closed, pats, C.definition_site(fun), cost=_cost_model(policy, platform))
+    if policy == "auto":
+        for site in report.fused:
+            why = _cost.platform_reason(site.cost, platform)
+            if why is not None:
+                site.fused, site.declined_for_cost, site.reason = False, True, why
+    report.platform = platform
     return report
+
+
+def _platform_of(args, kwargs) -> str:
+    """The platform jit would compile for: the arguments' devices, else the
+    default backend (named as lowering rules name it: cpu, cuda, rocm, tpu)."""
+    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+        if isinstance(leaf, jax.Array) and not C.is_tracer_leaf(leaf):
+            try:
+                return _lowering_name(next(iter(leaf.devices())))
+            except Exception:  # noqa: BLE001 - a deleted array: keep looking
+                continue
+    return _lowering_name(jax.devices()[0])
+
+
+def _lowering_name(device) -> str:
+    if device.platform != "gpu":
+        return device.platform
+    version = getattr(device.client, "platform_version", "").lower()
+    return "rocm" if "rocm" in version else "cuda"
 
 
 # ----------------------------------------------------------------- arguments
@@ -133,15 +253,24 @@ def _static_spec(jit_kwargs):
 
 
 def _mark_static(fun, args, kwargs, static):
+    """Marks the arguments jit treats as static, the way jit resolves them:
+    argnums against the positional arguments of this call (negative ones from
+    the end), and each argnum and argname also by its name/position in the
+    signature, so a static argument passed by keyword (or left to its default,
+    when it is simply absent) is handled as jit handles it."""
     if not static or not any(static):
         return args, kwargs
     nums, names = static
-    try:  # static_argnames may also name positional parameters, as in jax.jit
-        params = list(inspect.signature(fun).parameters)
+    try:
+        params = list(inspect.signature(fun).parameters.values())
     except (TypeError, ValueError):
         params = []
-    nums = {n % len(args) for n in nums if args} | {
-        params.index(n) for n in names if n in params and params.index(n) < len(args)}
+    positional = [p.name for p in params
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    nums = {n if n >= 0 else n + len(args) for n in nums}
+    names = set(names) | {positional[n] for n in nums if 0 <= n < len(positional)}
+    nums |= {positional.index(n) for n in names if n in positional}
     args = tuple(_Static(a) if i in nums else a for i, a in enumerate(args))
     kwargs = {k: _Static(v) if k in names else v for k, v in kwargs.items()}
     return args, kwargs

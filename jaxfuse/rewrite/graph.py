@@ -7,6 +7,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+import jax
+
 from .. import _compat as C
 
 # Equations that only reshape or retype a constant: looking through them keeps
@@ -31,13 +33,17 @@ class Graph:
     so a constant passed into the call stays known.
     """
 
-    def __init__(self, jaxpr: C.Jaxpr, consts=None, outer: Mapping | None = None):
+    def __init__(self, jaxpr: C.Jaxpr, consts=None, outer: Mapping | None = None,
+                 inlined: Mapping | None = None):
         self.jaxpr = jaxpr
+        self._inlined = dict(inlined or {})
         self._consts = dict(zip(jaxpr.constvars, consts)) if consts is not None else {}
         self._outer = dict(outer or {})
         self._producer: dict[Any, C.JaxprEqn] = {}
         self._uses: dict[Any, int] = {}
-        for eqn in jaxpr.eqns:
+        self._position: dict[int, int] = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            self._position[id(eqn)] = i
             for v in eqn.outvars:
                 self._producer[v] = eqn
             for a in eqn.invars:
@@ -62,6 +68,14 @@ class Graph:
 
     def is_output(self, atom) -> bool:
         return C.is_var(atom) and atom in self._outputs
+
+    def position(self, eqn) -> int:
+        """Index of `eqn` in this jaxpr's equation list."""
+        return self._position[id(eqn)]
+
+    def inlined_from(self, eqn) -> str | None:
+        """The name of the small `jit` this equation was inlined from, if any."""
+        return self._inlined.get(id(eqn))
 
     def users(self, atom) -> list[C.JaxprEqn]:
         return [e for e in self.jaxpr.eqns if any(a is atom for a in e.invars)]
@@ -95,10 +109,24 @@ def _index(outvars, atom) -> int:
     return next(i for i, v in enumerate(outvars) if v is atom)
 
 
+# Reading a device array's value means a device-to-host copy; a zero worth
+# testing for is a scalar or a small array, so larger device arrays are not read.
+_MAX_DEVICE_CONST = 64
+
+
 def _concrete(x) -> np.ndarray | None:
     if isinstance(x, C.Tracer):
         return None  # closed over from an enclosing trace: value unknown
+    if isinstance(x, jax.Array) and x.size > _MAX_DEVICE_CONST and not _on_host(x):
+        return None
     try:
         return np.asarray(x)
     except Exception:  # noqa: BLE001 - anything not convertible is not a known constant
         return None
+
+
+def _on_host(x) -> bool:
+    try:
+        return all(d.platform == "cpu" for d in x.devices())
+    except Exception:  # noqa: BLE001 - deleted or abstract arrays: do not read
+        return False

@@ -6,17 +6,19 @@ primitive, and records every decline with the pattern's reason.
 
 Writing a pattern::
 
-    def match(eqn, graph):        # -> Match | None  (None: not a candidate)
+    def match(eqn, graph):        # -> Match | None, or an iterable of candidate Matches
     def check(match, graph):      # -> str | None     (a reason to decline)
     def build(match, graph):      # -> list of equations defining match.root.outvars
 
     jaxfuse.register_pattern(jaxfuse.Pattern("my_fusion", match, check, build,
                                              roots={"max"}))
 
-A `Match` names the equations it absorbs (`eqns`, root included). The walker
-itself declines a match whose absorbed intermediates are used outside it or
-are outputs of the jaxpr, or that overlaps an earlier rewrite, so `check` only
-needs the pattern's own conditions (dtypes, shapes, ...).
+A `Match` names the equations it absorbs (`eqns`, root included) and the
+variables its replacement defines (`outputs`, the root's by default). The
+walker itself declines a match whose other absorbed results are used outside
+it or are outputs of the jaxpr, that overlaps an earlier rewrite, or that has
+effects, so `check` only needs the pattern's own conditions (dtypes, shapes,
+...). When `match` yields several candidates, the first that passes is used.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ class Match:
     """How the site is written in user terms, e.g. `jax.nn.relu` (for reports)."""
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Pattern-private data passed from `match` to `check` and `build`."""
+    outputs: tuple = ()
+    """Every variable the replacement defines: the root's outputs (the default)
+    and outputs of other absorbed equations that are still read elsewhere
+    (e.g. a gradient's masks, rewritten from the fused op's outputs)."""
+
+    def __post_init__(self):
+        if not self.outputs:
+            object.__setattr__(self, "outputs", tuple(self.root.outvars))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -50,6 +60,9 @@ class Pattern:
     roots: frozenset | None = None
     """Primitive names a match can be rooted at; None offers every equation."""
     doc: str = ""
+    barrier: bool = False
+    """The replacement is an opaque call, a fusion barrier to XLA: the cost
+    model (`policy="auto"`) decides whether it pays off."""
 
     def __post_init__(self):
         if self.roots is not None:

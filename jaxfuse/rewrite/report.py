@@ -9,6 +9,10 @@ from typing import Any
 from .. import _compat as C
 
 
+def _join(path: str, segment: str) -> str:
+    return "/".join(p for p in (path, segment) if p)
+
+
 class _Located:
     """Mixin: a lazily computed user location from a chain of source infos.
 
@@ -59,11 +63,26 @@ class Site(_Located):
     dtypes: tuple
     """Operand dtype names."""
     out_shape: tuple
+    declined_for_cost: bool = False
+    """Safe to fuse, but the cost model says the custom call would lose."""
+    alternatives: tuple = ()
+    """(pattern, reason) of the other patterns that matched here and declined."""
+    cost: Any = dataclasses.field(default=None, repr=False)
+    """The cost model's facts for a fused site (decided again per platform at lowering)."""
     _sources: tuple = dataclasses.field(default=(), repr=False)
     _fallback: tuple | None = dataclasses.field(default=None, repr=False)
 
+    @property
+    def status(self) -> str:
+        return "fused" if self.fused else ("declined (cost)" if self.declined_for_cost else "rejected")
+
+    def rebased(self, segment: str, sources: tuple) -> "Site":
+        """This site as seen from an enclosing jaxpr (`segment` deeper, more context)."""
+        return dataclasses.replace(self, path=_join(segment, self.path),
+                                   _sources=(*self._sources, *sources))
+
     def __repr__(self):
-        status = "fused" if self.fused else f"rejected: {self.reason}"
+        status = "fused" if self.fused else f"{self.status}: {self.reason}"
         return f"Site({self.pattern} at {self.location} [{self.path or 'top'}] {status})"
 
 
@@ -75,6 +94,10 @@ class Skipped(_Located):
     path: str
     _sources: tuple = dataclasses.field(default=(), repr=False)
     _fallback: tuple | None = dataclasses.field(default=None, repr=False)
+
+    def rebased(self, segment: str, sources: tuple) -> "Skipped":
+        return dataclasses.replace(self, path=_join(segment, self.path),
+                                   _sources=(*self._sources, *sources))
 
     @property
     def reason(self) -> str:
@@ -92,6 +115,10 @@ class Report:
     skipped: list
     jaxpr: Any = dataclasses.field(default=None, repr=False)
     """The rewritten ClosedJaxpr."""
+    policy: str = "always"
+    """The policy the sites were decided with."""
+    platform: str | None = None
+    """The platform the cost decisions were made for (None: platform-independent)."""
 
     @property
     def fused(self) -> list[Site]:
@@ -100,6 +127,10 @@ class Report:
     @property
     def rejected(self) -> list[Site]:
         return [s for s in self.sites if not s.fused]
+
+    @property
+    def declined_for_cost(self) -> list[Site]:
+        return [s for s in self.sites if s.declined_for_cost]
 
     def __iter__(self):
         return iter(self.sites)
@@ -112,13 +143,17 @@ class Report:
         rows = []
         for s in self.sites:
             operands = ", ".join(f"{d}{list(sh)}" for sh, d in zip(s.shapes, s.dtypes))
-            rows.append((s.pattern, "fused" if s.fused else "rejected", s.location,
+            rows.append((s.pattern, s.status, s.location,
                          s.path or "-", s.spelling, operands, s.reason or ""))
         for k in self.skipped:
             rows.append(("-", "skipped", k.location, k.path or "-", k.primitive, "", k.reason))
-        summary = (f"{len(self.fused)} fused, {len(self.rejected)} rejected"
+        cost = len(self.declined_for_cost)
+        summary = (f"{len(self.fused)} fused, {len(self.rejected) - cost} rejected"
+                   + (f", {cost} declined for cost" if cost else "")
                    + (f", {len(self.skipped)} unknown higher-order primitive(s) skipped"
-                      if self.skipped else ""))
+                      if self.skipped else "")
+                   + f" (policy {self.policy!r}"
+                   + (f", platform {self.platform})" if self.platform else ")"))
         if not rows:
             return f"jaxfuse: no candidate sites ({summary})"
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]

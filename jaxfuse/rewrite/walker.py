@@ -3,7 +3,12 @@
 It knows no operation by name except the higher-order primitives it descends
 into (`subjaxprs.py`). Jaxprs are never mutated: a rewritten jaxpr is a new
 object, an untouched one keeps its identity, and a sub-jaxpr shared by several
-equations is rewritten once (memoized by identity).
+equations is rewritten once per distinct calling context (memoized by
+identity), while every call site is still reported on its own.
+
+Small `jit` calls without pinned shardings, layouts or donation (jnp.clip's
+`jit[clip]`, a user's jitted ReLU) are inlined for matching, so a pattern can
+reach through them; a call is put back unchanged when no match used it.
 """
 
 from __future__ import annotations
@@ -17,16 +22,22 @@ from .graph import Graph
 from .patterns import Match, Pattern
 from .report import Report, Site, Skipped
 
+_INLINE_MAX_EQNS = 16
+
 
 def rewrite(closed: C.ClosedJaxpr, patterns: Sequence[Pattern],
-            origin: tuple[str, int] | None = None) -> tuple[C.ClosedJaxpr, Report]:
+            origin: tuple[str, int] | None = None, *, cost=None) -> tuple[C.ClosedJaxpr, Report]:
     """Returns the rewritten ClosedJaxpr and a report of every candidate site.
 
     `origin`: (file, line) to report for sites whose source info holds no user
-    frame (typically where the traced function was defined)."""
-    walk = _Walk(patterns, origin)
-    new = walk.body(closed, "", (), None)
-    return new, Report(walk.sites, walk.skipped, new)
+    frame (typically where the traced function was defined). `cost`: the cost
+    model deciding barrier patterns (`cost.CostModel`); None fuses every safe site.
+    """
+    walk = _Walk(patterns, origin, cost)
+    new, sites, skipped = walk.body(closed, None, None)
+    return new, Report([s.rebased("", ()) for s in sites], [k.rebased("", ()) for k in skipped],
+                       new, policy=getattr(cost, "policy", "always"),
+                       platform=getattr(cost, "platform", None))
 
 
 def _join(path: str, segment: str) -> str:
@@ -34,8 +45,9 @@ def _join(path: str, segment: str) -> str:
 
 
 class _Walk:
-    def __init__(self, patterns: Sequence[Pattern], origin=None):
+    def __init__(self, patterns: Sequence[Pattern], origin=None, cost=None):
         self.origin = origin
+        self.cost = cost
         self.by_root: dict[str, list[Pattern]] = {}
         self.any_root: list[Pattern] = []
         for p in patterns:
@@ -44,55 +56,64 @@ class _Walk:
             else:
                 for name in p.roots:
                     self.by_root.setdefault(name, []).append(p)
-        self.sites: list[Site] = []
-        self.skipped: list[Skipped] = []
-        # (id(body), frozen) -> (body, result); holding `body` keeps its id unique.
+        # (id(body), frozen, context key) -> (body, result, sites, skipped);
+        # holding `body` keeps its id unique.
         self.memo: dict = {}
 
     # -------------------------------------------------------------- structure
-    def body(self, body, path, sources, frozen):
-        """Rewrites a Jaxpr or ClosedJaxpr (memoized by identity)."""
-        key = (id(body), frozen)
+    def body(self, body, frozen, context):
+        """Rewrites a Jaxpr or ClosedJaxpr; returns (result, sites, skipped)
+        with paths and sources relative to the body."""
+        key = (id(body), frozen, context.key if context is not None else None)
         hit = self.memo.get(key)
         if hit is not None:
-            return hit[1]
+            return hit[1:]
         if isinstance(body, C.ClosedJaxpr):
-            jaxpr = self.jaxpr(body.jaxpr, body.consts, path, sources, frozen)
+            jaxpr, sites, skipped = self.jaxpr(body.jaxpr, body.consts, frozen, context)
             result = body if jaxpr is body.jaxpr else C.replace_closed(body, jaxpr)
         else:
-            result = self.jaxpr(body, None, path, sources, frozen)
-        self.memo[key] = (body, result)
-        return result
+            result, sites, skipped = self.jaxpr(body, None, frozen, context)
+        self.memo[key] = (body, result, sites, skipped)
+        return result, sites, skipped
 
-    def descend(self, eqn, path, sources, frozen):
+    def descend(self, eqn, graph, frozen, context, sites, skipped):
         """Post-order: rewrite the bodies of a higher-order equation first."""
-        inner_sources = (eqn.source_info, *sources)
+        def visit(b, seg, freeze):
+            inner = self.cost.context_for(eqn, b, graph, context) if self.cost is not None else None
+            new, inner_sites, inner_skipped = self.body(b, freeze, inner)
+            sites.extend(s.rebased(seg, (eqn.source_info,)) for s in inner_sites)
+            skipped.extend(k.rebased(seg, (eqn.source_info,)) for k in inner_skipped)
+            return new
+
         if subjaxprs.is_known(eqn):
-            return subjaxprs.map_bodies(
-                eqn, lambda b, seg: self.body(b, _join(path, seg), inner_sources, frozen))
+            return subjaxprs.map_bodies(eqn, lambda b, seg: visit(b, seg, frozen))
         bodies = subjaxprs.unknown_bodies(eqn)
         if bodies:
             # Left untouched; its bodies are still read so the report can list
             # the sites it hides, each declined with the primitive's name.
             if frozen is None:
-                self.skipped.append(Skipped(eqn.primitive.name, path, inner_sources, self.origin))
+                skipped.append(Skipped(eqn.primitive.name, "", (eqn.source_info,), self.origin))
             for b, seg in bodies:
-                self.body(b, _join(path, seg), inner_sources, frozen or eqn.primitive.name)
+                visit(b, seg, frozen or eqn.primitive.name)
         return eqn
 
-    def jaxpr(self, jaxpr, consts, path, sources, frozen):
+    def jaxpr(self, jaxpr, consts, frozen, context):
+        sites, skipped = [], []
+        pre = Graph(jaxpr, consts)
         eqns, changed = [], False
         for eqn in jaxpr.eqns:
-            new = self.descend(eqn, path, sources, frozen)
+            new = self.descend(eqn, pre, frozen, context, sites, skipped)
             changed |= new is not eqn
             eqns.append(new)
-        roots = [e for e in eqns if self._offered(e)]
+        view_eqns, groups, inlined = _inline_small_calls(eqns)
+        roots = [e for e in view_eqns if self._offered(e)]
         if roots:
-            view = C.replace_eqns(jaxpr, eqns) if changed else jaxpr
-            replaced = self.match_all(Graph(view, consts), roots, path, sources, frozen)
+            view = C.replace_eqns(jaxpr, view_eqns)
+            graph = Graph(view, consts, inlined=inlined)
+            replaced = self.match_all(graph, roots, frozen, context, sites)
             if replaced is not None:
-                return C.replace_eqns(jaxpr, replaced)
-        return C.replace_eqns(jaxpr, eqns) if changed else jaxpr
+                return C.replace_eqns(jaxpr, _restore_unused_calls(replaced, groups)), sites, skipped
+        return (C.replace_eqns(jaxpr, eqns) if changed else jaxpr), sites, skipped
 
     # --------------------------------------------------------------- matching
     def _offered(self, eqn) -> bool:
@@ -101,55 +122,80 @@ class _Walk:
     def _patterns_for(self, eqn):
         return [*self.by_root.get(eqn.primitive.name, ()), *self.any_root]
 
-    def match_all(self, graph: Graph, roots, path, sources, frozen):
+    def match_all(self, graph: Graph, roots, frozen, context, sites):
         """Matches every root in program order; the new equation list, or None."""
         plans: dict[int, list] = {}
         absorbed: set[int] = set()
         for root in roots:
+            if id(root) in absorbed:
+                continue
             declined = []
             for pattern in self._patterns_for(root):
-                m = pattern.match(root, graph)
-                if m is None:
-                    continue
-                m = _with_root(m)
-                reason = (pattern.check(m, graph)
-                          or _structural_reason(m, graph, absorbed, path)
-                          or (f"inside unknown higher-order primitive `{frozen}`, "
-                              f"which the pass does not descend into" if frozen else None))
-                if reason is None:
-                    plans[id(root)] = _build(pattern, m, graph)
-                    absorbed.update(id(e) for e in m.eqns)
-                    self._record(pattern, m, None, path, sources)
+                fused = False
+                for m in _candidates(pattern, root, graph):
+                    m = _with_root(m)
+                    reason = (pattern.check(m, graph)
+                              or _structural_reason(m, graph, absorbed)
+                              or (f"inside unknown higher-order primitive `{frozen}`, "
+                                  f"which the pass does not descend into" if frozen else None))
+                    cost_reason = None
+                    if reason is None and pattern.barrier and self.cost is not None:
+                        cost_reason, facts = self.cost.evaluate(m, graph, context)
+                        if facts is not None:
+                            m = dataclasses.replace(m, info={**m.info, "cost": facts})
+                    if reason is None and cost_reason is None:
+                        where, reason = _placement(m, graph)
+                    if reason is None and cost_reason is None:
+                        plans[where] = plans.get(where, []) + _build(pattern, m, graph)
+                        absorbed.update(id(e) for e in m.eqns)
+                        sites.append(self._site(pattern, m, None, declined))
+                        fused = True
+                        break
+                    declined.append((pattern, m, reason or cost_reason, reason is None))
+                    break  # a pattern reports its first candidate's reason
+                if fused:
                     break
-                declined.append((pattern, m, reason))
             else:
-                for pattern, m, reason in declined:
-                    self._record(pattern, m, reason, path, sources)
+                if declined:
+                    pattern, m, reason, for_cost = declined[0]
+                    sites.append(self._site(pattern, m, reason, declined[1:], for_cost))
         if not plans:
             return None
         out = []
-        for eqn in graph.eqns:
-            if id(eqn) in plans:
-                out.extend(plans[id(eqn)])
-            elif id(eqn) not in absorbed:
+        for i, eqn in enumerate(graph.eqns):
+            if i in plans:
+                out.extend(plans[i])
+            if id(eqn) not in absorbed:
                 out.append(eqn)
-        return out
+        return _drop_dead(out, graph)
 
-    def _record(self, pattern, m: Match, reason, path, sources):
+    def _site(self, pattern, m: Match, reason, alternatives=(), for_cost=False):
         avals = [getattr(a, "aval", None) for a in m.operands]
-        self.sites.append(Site(
+        return Site(
             pattern=pattern.name,
             fused=reason is None,
             reason=reason,
             spelling=m.spelling,
-            path=path,
+            path="",
             shapes=tuple(tuple(getattr(a, "shape", ())) for a in avals),
             dtypes=tuple(str(getattr(a, "dtype", "?")) for a in avals),
             out_shape=tuple(m.root.outvars[0].aval.shape) if m.root.outvars else (),
-            # The root first, then what it absorbed, then the enclosing equations.
-            _sources=(m.root.source_info, *(e.source_info for e in m.eqns), *sources),
+            declined_for_cost=bool(for_cost),
+            alternatives=tuple((p.name, r) for p, _, r, _ in alternatives),
+            cost=m.info.get("cost"),
+            # The root first, then what it absorbed.
+            _sources=(m.root.source_info, *(e.source_info for e in m.eqns)),
             _fallback=self.origin,
-        ))
+        )
+
+
+def _candidates(pattern, root, graph):
+    found = pattern.match(root, graph)
+    if found is None:
+        return ()
+    if isinstance(found, Match):
+        return (found,)
+    return found
 
 
 def _with_root(m: Match) -> Match:
@@ -158,34 +204,152 @@ def _with_root(m: Match) -> Match:
     return dataclasses.replace(m, eqns=(*m.eqns, m.root))
 
 
-def _structural_reason(m: Match, graph: Graph, absorbed: set, path: str) -> str | None:
-    """Declines what no pattern may do: absorb a value someone else still reads,
-    absorb an effect, or absorb an equation another rewrite already took."""
+def _structural_reason(m: Match, graph: Graph, absorbed: set) -> str | None:
+    """Declines what no pattern may do: absorb a value someone else still reads
+    (unless the replacement defines it), absorb an effect, or absorb an
+    equation another rewrite already took."""
+    outputs = {id(v) for v in m.outputs}
+    inside_eqns = {id(e) for e in m.eqns}
     for e in m.eqns:
         name = e.primitive.name
         if id(e) in absorbed:
             return f"overlaps another rewrite at `{name}`"
-        if e is m.root:
-            continue
-        if e.effects:
+        if e is not m.root and e.effects:
             return f"`{name}` has effects"
         for v in e.outvars:
+            if id(v) in outputs or not C.is_var(v) or type(v).__name__ == "DropVar":
+                continue
             if graph.is_output(v):
-                where = f"the jaxpr at `{path}`" if path else "the function"
-                return f"the `{name}` result is also an output of {where}"
-            inside = sum(1 for x in m.eqns for a in x.invars if a is v)
+                return f"the `{name}` result is also an output of the jaxpr"
             total = graph.uses(v)
+            inside = sum(1 for x in graph.users(v) if id(x) in inside_eqns
+                         for a in x.invars if a is v)
             if total != inside:
                 return (f"the `{name}` result has {total} uses; "
                         f"{total - inside} outside the fused region")
     return None
 
 
+def _placement(m: Match, graph: Graph) -> tuple[int, str | None]:
+    """Where the replacement goes: at the first absorbed equation that defines
+    one of its outputs, which must come after every operand's definition."""
+    outputs = {id(v) for v in m.outputs}
+    where = min(graph.position(e) for e in m.eqns if any(id(v) in outputs for v in e.outvars))
+    for a in m.operands:
+        prod = graph.producer(a)
+        if prod is not None and graph.position(prod) >= where:
+            return where, (f"an operand is computed after the `{graph.eqns[where].primitive.name}` "
+                           f"whose result the replacement must define")
+    return where, None
+
+
 def _build(pattern: Pattern, m: Match, graph: Graph) -> list:
     new = list(pattern.build(m, graph))
     defined = {id(v) for e in new for v in e.outvars}
-    missing = [v for v in m.root.outvars if id(v) not in defined]
+    missing = [v for v in m.outputs if id(v) not in defined]
     if missing:
         raise ValueError(f"pattern {pattern.name!r} built a replacement that does not "
-                         f"define {missing} (the root's outputs)")
+                         f"define {missing} (its outputs)")
     return new
+
+
+def _drop_dead(eqns, graph: Graph):
+    """Removes effect-free equations the rewrite left unread (e.g. a broadcast
+    whose only reader was absorbed), and only those: dead code the program
+    already had stays."""
+    was_read = {id(e) for e in graph.eqns
+                if any(graph.uses(v) for v in e.outvars if C.is_var(v))}
+    while True:
+        read: dict[int, int] = {}
+        for e in eqns:
+            for a in e.invars:
+                if C.is_var(a):
+                    read[id(a)] = read.get(id(a), 0) + 1
+        outs = {id(a) for a in graph.jaxpr.outvars if C.is_var(a)}
+        dead = [e for e in eqns if id(e) in was_read and not e.effects
+                and not any(read.get(id(v)) or id(v) in outs for v in e.outvars)]
+        if not dead:
+            return eqns
+        drop = {id(e) for e in dead}
+        eqns = [e for e in eqns if id(e) not in drop]
+
+
+# ----------------------------------------------------------------- inlining
+def _inline_small_calls(eqns):
+    """(view equations, groups, inlined names): each small unconstrained jit
+    call replaced by a fresh copy of its body, for matching across it."""
+    view, groups, names = [], [], {}
+    for eqn in eqns:
+        body = _inlinable(eqn)
+        if body is None:
+            view.append(eqn)
+            continue
+        copy = _renamed_body(eqn, body)
+        if copy is None:
+            view.append(eqn)
+            continue
+        groups.append((eqn, copy))
+        for e in copy:
+            names[id(e)] = eqn.params.get("name", "?")
+        view.extend(copy)
+    return view, groups, names
+
+
+def _inlinable(eqn):
+    if eqn.primitive.name not in C.JIT_NAMES or C.jit_constraints(eqn.params):
+        return None
+    closed = eqn.params.get("jaxpr")
+    body = getattr(closed, "jaxpr", None)
+    if body is None or getattr(closed, "consts", ()) or body.constvars:
+        return None
+    if len(body.eqns) > _INLINE_MAX_EQNS or body.effects:
+        return None
+    return body
+
+
+def _renamed_body(eqn, body):
+    """The body's equations with its invars bound to the call's operands, its
+    outvars renamed to the call's results and every other variable fresh."""
+    produced = {id(v) for e in body.eqns for v in e.outvars}
+    outs = body.outvars
+    if (len({id(v) for v in outs}) != len(outs)
+            or not all(C.is_var(v) and id(v) in produced for v in outs)):
+        return None  # a passthrough or literal result has no equation to carry it
+    env = {id(v): a for v, a in zip(body.invars, eqn.invars)}
+    env.update({id(v): w for v, w in zip(outs, eqn.outvars)})
+
+    def atom(a):
+        if not C.is_var(a):
+            return a
+        if id(a) not in env:
+            env[id(a)] = C.new_var(a.aval)
+        return env[id(a)]
+
+    copy = []
+    for e in body.eqns:
+        copy.append(C.new_eqn([atom(a) for a in e.invars], [atom(v) for v in e.outvars],
+                              e.primitive, e.params, like=e))
+    return copy
+
+
+def _restore_unused_calls(eqns, groups):
+    """Puts back every inlined call none of whose equations a rewrite used (and
+    none of whose inner values a rewrite reads)."""
+    present = {id(e) for e in eqns}
+    out, done = [], set()
+    first = {}
+    for call, copy in groups:
+        if not all(id(e) in present for e in copy):
+            continue
+        mine = {id(e) for e in copy}
+        inner = {id(v) for e in copy for v in e.outvars} - {id(v) for v in call.outvars}
+        if any(id(a) in inner for e in eqns if id(e) not in mine for a in e.invars):
+            continue
+        first[id(copy[0])] = call
+        done.update(mine)
+    for e in eqns:
+        if id(e) in first:
+            out.append(first[id(e)])
+        elif id(e) not in done:
+            out.append(e)
+    return out

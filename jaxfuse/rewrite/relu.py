@@ -1,16 +1,17 @@
-"""The built-in pattern: `add` followed by ReLU becomes one `add_relu_p`.
+"""The ReLU spellings a real program produces, as one pattern node (`relu(child)`).
 
-ReLU spellings recognised, each with the gradient it defines at exactly 0
-(the fused op reproduces it through `grad_at_zero`):
+Each spelling carries the gradient it defines at exactly 0 (the fused op
+reproduces it through `grad_at_zero`):
 
   * `max(y, 0)` / `max(0, y)` -- `jnp.maximum`, `lax.max` -- with a zero that is
     provably +0.0: a literal, a known constant, or a broadcast/convert of one.
     lax.max's JVP splits ties, so the gradient at 0 is 0.5.
   * `jax.nn.relu` -- `custom_jvp_call` around `jit[relu]{max}`; its custom JVP
     gives 0 at 0.
-  * a plain `jit` whose body is only a ReLU (plus the equations building its
-    zero): `jnp.clip(y, 0)` is `jit[clip]{convert_element_type(0); max}`, so
-    gradient 0.5 like the max inside.
+  * `jnp.clip(y, 0)` and other small `jit` wrappers: the walker inlines them
+    (graph.inlined_from names the jit), so they arrive as the max inside.
+    A wrapper that pins shardings or donates is not inlined; it is recognised
+    here only to say why it is declined.
 
 A `custom_jvp` function other than jax.nn.relu that computes a ReLU is a
 candidate but declined: its own derivative rule could be anything.
@@ -24,14 +25,11 @@ import numpy as np
 
 import jax
 
-from jaxfuse._primitive import (MAXIMUM_GRAD_AT_ZERO, RELU_GRAD_AT_ZERO, add_relu_p,
-                                check_operands)
+from jaxfuse._primitive import MAXIMUM_GRAD_AT_ZERO, RELU_GRAD_AT_ZERO
 
 from .. import _compat as C
+from .dsl import Custom, Node
 from .graph import Graph
-from .patterns import Match, Pattern
-
-NAME = "add_relu"
 
 # Equations a wrapper body may hold besides the ReLU: they only build the zero.
 _ZERO_BUILDERS = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "pvary"})
@@ -40,15 +38,15 @@ _JAX_RELU = C.function_origin(C.unwrap_function(jax.nn.relu))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Relu:
+class Spelling:
     operand: object          # the atom the ReLU is applied to
     grad_at_zero: float
-    spelling: str
+    text: str
     decline: str | None = None
     extra: tuple = ()        # zero-building equations that die with the ReLU
 
 
-def _relu(eqn, graph: Graph) -> _Relu | None:
+def spelling(eqn, graph: Graph) -> Spelling | None:
     """How `eqn` spells a ReLU, or None when it is not one."""
     name = eqn.primitive.name
     if name == "max" and len(eqn.invars) == 2:
@@ -60,25 +58,39 @@ def _relu(eqn, graph: Graph) -> _Relu | None:
     return None
 
 
+def _is_positive_zero(value: np.ndarray) -> tuple[bool, str | None]:
+    """(is it a zero, why a max with it is still no ReLU the kernel can serve)."""
+    if value.size == 0 or not np.all(value == 0):
+        return False, None
+    if not np.issubdtype(value.dtype, np.floating) and value.dtype.kind != "V":
+        return True, None  # an integer or complex zero: the dtype check declines it
+    if np.any(np.signbit(value.astype(np.float32))):
+        # max(y, -0.0) may return -0.0 where the kernel returns +0.0.
+        return True, "the zero operand of max is -0.0, not +0.0"
+    return True, None
+
+
 def _max_relu(eqn, graph):
     x0, x1 = eqn.invars
     for y, z, text in ((x0, x1, "max(y, 0)"), (x1, x0, "max(0, y)")):
         zero = graph.const_value(z)
         if zero is None or graph.const_value(y) is not None:
             continue
-        if zero.size == 0 or not np.all(zero == 0):
+        is_zero, decline = _is_positive_zero(zero)
+        if not is_zero:
             return None  # a max with another constant is not a ReLU
-        decline = None
-        if np.any(np.signbit(zero)):
-            # max(y, -0.0) may return -0.0 where the kernel returns +0.0.
-            decline = "the zero operand of max is -0.0, not +0.0"
         prod = graph.producer(z)
         extra = (prod,) if prod is not None and graph.uses(z) == 1 and not graph.is_output(z) else ()
-        return _Relu(y, MAXIMUM_GRAD_AT_ZERO, text, decline, extra)
+        wrapper = graph.inlined_from(eqn)
+        if wrapper == "clip":
+            text = "jnp.clip(y, 0)"
+        elif wrapper is not None:
+            text = f"jit[{wrapper}]({text})"
+        return Spelling(y, MAXIMUM_GRAD_AT_ZERO, text, decline, extra)
     return None
 
 
-def _body_relu(eqn, body_closed, graph: Graph) -> _Relu | None:
+def _body_relu(eqn, body_closed, graph: Graph) -> Spelling | None:
     """A ReLU when a call's body is exactly one, applied to one of its invars.
 
     Returns the spelling with `operand` mapped back to the caller's atom."""
@@ -90,7 +102,7 @@ def _body_relu(eqn, body_closed, graph: Graph) -> _Relu | None:
     root = sub.producer(body.outvars[0])
     if root is None:
         return None
-    inner = _relu(root, sub)
+    inner = spelling(root, sub)
     if inner is None:
         return None
     if any(e is not root and (e.primitive.name not in _ZERO_BUILDERS or e.effects)
@@ -108,10 +120,10 @@ def _custom_jvp_relu(eqn, graph):
         return None
     origin = C.debug_origin(eqn.params["call_jaxpr"].jaxpr)
     if origin is not None and _JAX_RELU is not None and origin == _JAX_RELU:
-        return dataclasses.replace(inner, grad_at_zero=RELU_GRAD_AT_ZERO, spelling="jax.nn.relu")
+        return dataclasses.replace(inner, grad_at_zero=RELU_GRAD_AT_ZERO, text="jax.nn.relu")
     fname = origin[0] if origin else "?"
     return dataclasses.replace(
-        inner, spelling=f"custom_jvp {fname}",
+        inner, text=f"custom_jvp {fname}",
         decline=inner.decline or f"`{fname}` is a custom_jvp function with its own "
                                  f"derivative rule, which fusing would replace")
 
@@ -121,54 +133,27 @@ def _jit_relu(eqn, graph):
     if inner is None:
         return None
     name = eqn.params.get("name", "?")
-    spelling = "jnp.clip(y, 0)" if name == "clip" else (
-        inner.spelling if inner.spelling == "jax.nn.relu" else f"jit[{name}]({inner.spelling})")
+    text = "jnp.clip(y, 0)" if name == "clip" else (
+        inner.text if inner.text == "jax.nn.relu" else f"jit[{name}]({inner.text})")
     pinned = C.jit_constraints(eqn.params)
     decline = inner.decline or (f"the jit[{name}] around the ReLU {pinned}, "
                                 f"which fusing across it would drop" if pinned else None)
-    return dataclasses.replace(inner, spelling=spelling, decline=decline)
+    return dataclasses.replace(inner, text=text, decline=decline)
 
 
-# ------------------------------------------------------------------ the pattern
-def match(eqn, graph: Graph) -> Match | None:
-    relu = _relu(eqn, graph)
-    if relu is None:
-        return None
-    add = graph.producer(relu.operand)
-    if add is None or add.primitive.name != "add":
-        return None
-    return Match(root=eqn, eqns=(add, eqn, *relu.extra), operands=tuple(add.invars),
-                 spelling=relu.spelling, info={"relu": relu, "add": add})
+ROOTS = frozenset({"max", "custom_jvp_call", *C.JIT_NAMES})
 
 
-def check(m: Match, graph: Graph) -> str | None:
-    relu, add = m.info["relu"], m.info["add"]
-    if relu.decline:
-        return relu.decline
-    a, b = (x.aval for x in add.invars)
-    y, out = add.outvars[0].aval, m.root.outvars[0].aval
-    try:  # the fused primitive's own operand contract, its message as the reason
-        check_operands(a.shape, a.dtype, b.shape, b.dtype)
-    except (TypeError, ValueError) as e:
-        return str(e).removeprefix("jaxfuse.add_relu_p: ").removeprefix("jaxfuse.add_relu: ")
-    if (tuple(out.shape), out.dtype) != (tuple(y.shape), y.dtype):
-        return f"the ReLU changes its operand's type from {y.str_short()} to {out.str_short()}"
-    if getattr(out, "weak_type", False) != getattr(y, "weak_type", False):
-        return "the ReLU changes its operand's weak type"
-    return None
+def _match_relu(atom, graph, state):
+    eqn = graph.producer(atom)
+    if eqn is None:
+        return
+    sp = spelling(eqn, graph)
+    if sp is None:
+        return
+    yield state.absorb(eqn, *sp.extra).note("relu", sp), sp.operand
 
 
-def build(m: Match, graph: Graph):
-    relu, add = m.info["relu"], m.info["add"]
-    # The add's operands go in as they are: the fused op serves the same
-    # size-1 broadcasting and scalars that `add` itself accepts.
-    return [C.new_eqn(list(add.invars), m.root.outvars, add_relu_p,
-                      {"grad_at_zero": relu.grad_at_zero}, like=m.root,
-                      effects=m.root.effects | add.effects)]
-
-
-PATTERN = Pattern(
-    NAME, match, check, build,
-    roots=frozenset({"max", "custom_jvp_call", *C.JIT_NAMES}),
-    doc="add followed by ReLU -> jaxfuse_add_relu (one custom call)",
-)
+def relu(child: Node) -> Node:
+    """A value produced by any ReLU spelling of `child`; notes["relu"] is the Spelling."""
+    return Custom(_match_relu, child)

@@ -1,0 +1,306 @@
+"""The cost model behind `policy="auto"`: fuse a site only where the custom call
+cannot lose to the fusion XLA would do itself.
+
+What the model knows (measured; bench/results/README.md has the runs):
+
+  * A custom call is a fusion barrier. XLA fuses elementwise producers and
+    consumers of the add/ReLU into the same loop; behind a custom call each of
+    them writes its full-size result to memory and reads it back.
+  * On GPU, XLA folds bias + ReLU into the matmul's cuBLASLt epilogue
+    (BIAS_RELU) and into cuDNN's fused convolution; replacing that costs a
+    whole extra pass. XLA:CPU does neither (dot and conv run in YNNPACK with
+    the bias/ReLU in a loop fusion after them), so there it is only a loop.
+  * XLA:CPU runs an NCHW convolution in NHWC and folds the transpose back into
+    the epilogue loop; a custom call needs row-major NCHW operands, so that
+    transpose becomes a copy of its own.
+  * A custom call costs a few microseconds on CPU; below a size measured per
+    platform and dtype the kernel cannot win that back.
+
+Decisions split in two. What holds on every platform (producers and consumers
+XLA would fuse) is decided when the jaxpr is rewritten, and such sites are left
+alone. What depends on the platform (epilogue folding, layouts, call overhead)
+is recorded on the fused op (`SiteFacts`, its `cost` parameter) and decided
+when jit lowers it for a platform: a site declined there lowers to XLA's own
+ops, the program XLA would have compiled without the rewrite. So the decision
+is made for exactly the platform being compiled for: the arguments' devices,
+or the default backend, as jit chooses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+import numpy as np
+
+from .. import _compat as C
+from .graph import Graph
+
+POLICIES = ("auto", "always", "measure")
+
+# Equations XLA fuses into the loop that reads their result (so their result
+# is never in memory in XLA's own program).
+FUSIBLE = frozenset({
+    "add", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "exp", "exp2", "log",
+    "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "atan2",
+    "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt", "pow", "integer_pow",
+    "square", "floor", "ceil", "round", "nextafter", "erf", "erfc", "erf_inv", "is_finite",
+    "select_n", "clamp", "convert_element_type", "eq", "ne", "gt", "ge", "lt", "le", "and", "or",
+    "not", "xor", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
+    "dynamic_slice", "pad", "concatenate", "rev", "gather", "iota", "copy", "reduce_precision",
+    "add_any", "pvary", "real", "imag", "conj", "population_count", "shift_left",
+    "shift_right_logical", "shift_right_arithmetic",
+})
+# ... and loops that read them: XLA fuses an elementwise producer into a
+# reduction's input loop, so a value read only by these is not materialized.
+FUSING_CONSUMERS = FUSIBLE | frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "argmax", "argmin", "reduce_precision", "cumsum", "cumprod", "cummax", "cummin",
+    "reduce_window_sum",
+})
+# Views that move no data: a value read through them is the value itself.
+_VIEWS = frozenset({"reshape", "squeeze", "expand_dims"})
+_JAXFUSE = frozenset({"jaxfuse_add_relu", "jaxfuse_epilogue"})
+# Calls whose bodies XLA inlines: their boundary is transparent.
+_TRANSPARENT = frozenset({*C.JIT_NAMES, "closed_call", "core_call", "custom_jvp_call",
+                          "custom_vjp_call", "custom_vjp_call_jaxpr", *C.CHECKPOINT_NAMES})
+# An operand this much smaller than the output costs nothing to materialize.
+_SMALL = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteFacts:
+    """What the platform decision needs to know about a fused site."""
+
+    pattern: str
+    elements: int
+    dtype: str
+    producers: tuple
+    """Per operand: "input", "dot", "conv", "conv-nchw", "fused", "small" or "other"."""
+    consumers: tuple
+    """Kinds of readers that keep the result in memory anyway ("output", "dot", ...)."""
+
+    def __str__(self):
+        return f"{self.pattern}[{self.elements} x {self.dtype}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlatformFacts:
+    min_elements: Mapping[str, int]
+    """Below this many output elements a custom call loses to XLA's loop."""
+    folds_dot_epilogue: bool
+    folds_conv_epilogue: bool
+    transposes_nchw_conv: bool
+    source: str
+
+
+# Thresholds: `python bench/thresholds.py` measures the smallest size from which
+# the kernel beats XLA's own fusion of the site inside a program, at every
+# larger size, in both timing modes (paired 95% intervals); bench/results holds
+# the runs. PROVISIONAL until that run is recorded for the tuned kernel.
+PLATFORMS = {
+    "cpu": PlatformFacts(
+        min_elements={"float32": 1 << 18, "float64": 1 << 17, "float16": 1 << 16,
+                      "bfloat16": 1 << 16},
+        folds_dot_epilogue=False, folds_conv_epilogue=False, transposes_nchw_conv=True,
+        source="provisional"),
+    "cuda": PlatformFacts(
+        min_elements={"float32": 1 << 20, "float64": 1 << 20, "float16": 1 << 20,
+                      "bfloat16": 1 << 20},
+        folds_dot_epilogue=True, folds_conv_epilogue=True, transposes_nchw_conv=False,
+        source="not measured on a GPU yet: a conservative 2^20 (the H200 tied XLA at 2^24)"),
+}
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.3g} MiB"
+
+
+def _size(atom) -> int:
+    return int(math.prod(getattr(atom.aval, "shape", ())))
+
+
+# --------------------------------------------------------------- boundaries
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """How a (nested) jaxpr's inputs and outputs meet the program around it."""
+
+    inputs: tuple
+    """Per invar: the producer class the caller gives it."""
+    outputs: tuple
+    """Per outvar: the set of materializing reader kinds in the caller."""
+
+    @property
+    def key(self):
+        return (self.inputs, self.outputs)
+
+
+TOP = None  # the traced function itself: inputs are arguments, outputs are results
+
+
+class CostModel:
+    """Decides barrier patterns for one rewrite (`policy="auto"`)."""
+
+    policy = "auto"
+
+    def __init__(self, platform: str | None = None):
+        self.platform = platform
+
+    # ---- contexts for nested jaxprs (walker.descend)
+    def context_for(self, eqn, body, graph, outer=TOP) -> Context | None:
+        name = eqn.primitive.name
+        body_jaxpr = getattr(body, "jaxpr", body)
+        if name not in _TRANSPARENT or len(body_jaxpr.invars) != len(eqn.invars):
+            return Context(("input",) * len(body_jaxpr.invars),
+                           (("loop",),) * len(body_jaxpr.outvars))
+        inputs = tuple(producer_class(a, graph, outer)[0] for a in eqn.invars)
+        outputs = tuple(tuple(sorted(materializing_readers(v, graph, outer)))
+                        for v in eqn.outvars[:len(body_jaxpr.outvars)])
+        return Context(inputs, outputs)
+
+    # ---- the platform-independent decision (walker.match_all)
+    def evaluate(self, m, graph, context):
+        out = m.root.outvars[0]
+        n_out = max(_size(out), 1)
+        itemsize = np.dtype(out.aval.dtype).itemsize
+        producers = []
+        for k, a in enumerate(m.operands):
+            cls, prim = producer_class(a, graph, context)
+            if cls == "fusible":
+                if _size(a) * _SMALL > n_out:
+                    return (f"operand {k + 1} comes from a `{prim}` that XLA fuses into the "
+                            f"same loop; as a custom-call operand it is written out and read "
+                            f"back (+{_mib(2 * _size(a) * itemsize)})"), None
+                cls = "small"
+            producers.append(cls)
+        inside = {id(e) for e in m.eqns}
+        readers = materializing_readers(out, graph, context, skip=inside)
+        if not readers:
+            users = sorted({e.primitive.name for e in graph.users(out) if id(e) not in inside})
+            used_by = ", ".join(f"`{u}`" for u in users) or "nothing outside the site"
+            return (f"the result is only read by ops XLA fuses into the same loop ({used_by}); "
+                    f"a custom call writes it out and reads it back "
+                    f"(+{_mib(2 * n_out * itemsize)})"), None
+        return None, SiteFacts(m.info.get("family").name if "family" in m.info else "site",
+                               n_out, np.dtype(out.aval.dtype).name, tuple(producers),
+                               tuple(sorted(readers)))
+
+
+def producer_class(atom, graph, context) -> tuple[str, str | None]:
+    """(class, primitive) of what produces `atom`, looking through views and
+    into transparent calls."""
+    if not C.is_var(atom):
+        return "input", None
+    eqn = graph.producer(atom)
+    if eqn is None:
+        if context is not None and atom in graph.jaxpr.invars:
+            return context.inputs[list(graph.jaxpr.invars).index(atom)], None
+        return "input", None  # an argument, a constant
+    name = eqn.primitive.name
+    if name in _VIEWS or (name == "broadcast_in_dim" and _adds_size1_dims(eqn)):
+        return producer_class(eqn.invars[0], graph, context)
+    if name == "dot_general":
+        return "dot", name
+    if name == "conv_general_dilated":
+        return ("conv" if _feature_minor(eqn) else "conv-nchw"), name
+    if name in _JAXFUSE:
+        return "fused", name
+    if name in FUSIBLE:
+        return "fusible", name
+    if name in _TRANSPARENT:
+        body, consts = _body_of(eqn)
+        if body is not None:
+            i = next(k for k, v in enumerate(eqn.outvars) if v is atom)
+            inner = Context(tuple(producer_class(a, graph, context)[0] for a in eqn.invars), ())
+            return producer_class(body.outvars[i], Graph(body, consts), inner)
+    return "other", name
+
+
+def materializing_readers(var, graph, context, skip=frozenset()) -> set:
+    """Kinds of readers of `var` that keep it in memory in XLA's own program."""
+    kinds = set()
+    if graph.is_output(var):
+        if context is None:
+            kinds.add("output")
+        else:
+            for i, v in enumerate(graph.jaxpr.outvars):
+                if v is var:
+                    kinds.update(context.outputs[i])
+    for eqn in graph.users(var):
+        if id(eqn) in skip:
+            continue
+        name = eqn.primitive.name
+        if name in FUSING_CONSUMERS:
+            continue
+        if name in _TRANSPARENT:
+            body, consts = _body_of(eqn)
+            if body is not None:
+                inner = Context(("input",) * len(body.invars), tuple(
+                    tuple(sorted(materializing_readers(o, graph, context))) for o in eqn.outvars))
+                sub = Graph(body, consts)
+                for i, a in enumerate(eqn.invars):
+                    if a is var:
+                        kinds.update(materializing_readers(body.invars[i], sub, inner))
+                continue
+        kinds.add({"dot_general": "dot", "conv_general_dilated": "conv"}.get(
+            name, "fused" if name in _JAXFUSE else "other"))
+    return kinds
+
+
+def _body_of(eqn):
+    """(body Jaxpr, consts) of a transparent call whose invars are the call's operands."""
+    closed = (eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+              or eqn.params.get("fun_jaxpr"))
+    body = getattr(closed, "jaxpr", closed)
+    if not isinstance(body, C.Jaxpr) or len(body.invars) != len(eqn.invars):
+        return None, None
+    if len(body.outvars) != len(eqn.outvars):
+        return None, None
+    return body, getattr(closed, "consts", None)
+
+
+def _adds_size1_dims(eqn) -> bool:
+    src = tuple(eqn.invars[0].aval.shape)
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    out = tuple(eqn.params["shape"])
+    kept = [out[d] for d in dims]
+    return list(dims) == sorted(dims) and tuple(kept) == src and all(
+        out[i] == 1 for i in range(len(out)) if i not in dims)
+
+
+def _feature_minor(eqn) -> bool:
+    """Whether a convolution's output has its feature dimension last (NHWC):
+    the layout XLA's CPU convolution writes, which a row-major operand reads
+    without a transpose."""
+    dn = eqn.params.get("dimension_numbers")
+    out_spec = getattr(dn, "out_spec", None)
+    if out_spec is None:
+        return True
+    return out_spec[1] == len(out_spec) - 1
+
+
+# ------------------------------------------------------ the platform decision
+def platform_reason(facts: SiteFacts | None, platform: str) -> str | None:
+    """Why the kernel would lose on `platform` (None: it pays)."""
+    if facts is None:
+        return None
+    p = PLATFORMS.get(platform)
+    if p is None:
+        return None  # no kernel there anyway: the lowering uses XLA's ops
+    if p.folds_dot_epilogue and "dot" in facts.producers:
+        return (f"on {platform} XLA folds the bias and ReLU into the matmul's epilogue "
+                f"(cuBLASLt BIAS_RELU); a separate kernel adds a pass")
+    if p.folds_conv_epilogue and ("conv" in facts.producers or "conv-nchw" in facts.producers):
+        return (f"on {platform} XLA folds the bias and ReLU into cuDNN's fused convolution; "
+                f"a separate kernel adds a pass")
+    if p.transposes_nchw_conv and "conv-nchw" in facts.producers:
+        return (f"on {platform} the convolution writes NHWC and XLA folds the transpose back "
+                f"to NCHW into its epilogue loop; the custom call's row-major operand would "
+                f"cost a transpose of its own")
+    smallest = p.min_elements.get(facts.dtype)
+    if smallest is not None and facts.elements < smallest:
+        return (f"{facts.elements} elements: below {smallest}, the cost of a custom call on "
+                f"{platform} exceeds what the kernel saves over XLA's loop "
+                f"(measured: {p.source})")
+    return None

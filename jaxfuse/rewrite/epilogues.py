@@ -1,0 +1,158 @@
+"""The built-in patterns: an `add` into a ReLU, and the BatchNorm / residual
+epilogues around it, become one fused op (`add_relu_p` or `epilogue_p`).
+
+Each pattern is a tree (dsl.py) plus the flags of the fused op it becomes.
+They are tried most specific first, so `relu((x - m) * s + t + r)` becomes
+one call rather than a `mul` and a `sub` left to XLA:
+
+  name                        tree                              fused op
+  bn_residual_relu            relu(((x - m) * s + t) + r)       epilogue(mean, scale, residual)
+  bn_relu                     relu((x - m) * s + t)             epilogue(mean, scale)
+  scale_shift_residual_relu   relu((x * s + t) + r)             epilogue(scale, residual)
+  scale_shift_relu            relu(x * s + t)                   epilogue(scale)
+  bias_residual_relu          relu((x + t) + r)                 epilogue(residual)
+  add_relu                    relu(x + t)                       add_relu
+
+`add` and `mul` match in either operand order (`t + s * x`); an operand that
+is a broadcast adding size-1 dims is read in place from its source. Under
+`grad`, the pre-activation's derivative masks (masks.py) are rewritten from
+the fused op's output and, where needed, its tie mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+from jaxfuse._primitive import add_relu_p, check_broadcast, epilogue_labels, epilogue_p
+
+from .. import _compat as C
+from . import masks as M
+from .dsl import add, matches, mul, operand, sub
+from .graph import Graph
+from .patterns import Match, Pattern
+from .relu import ROOTS, relu
+
+x, m, s, t, r = (operand(n) for n in ("x", "mean", "scale", "shift", "residual"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    tree: object
+    mean: bool
+    scale: bool
+    residual: bool
+    doc: str
+
+    @property
+    def labels(self):
+        return epilogue_labels(mean=self.mean, scale=self.scale, residual=self.residual)
+
+
+FAMILY = (
+    Family("bn_residual_relu", relu(add(add(mul(sub(x, m), s), t), r)), True, True, True,
+           "relu(((x - m) * s + t) + r) -> one jaxfuse_epilogue call"),
+    Family("bn_relu", relu(add(mul(sub(x, m), s), t)), True, True, False,
+           "relu((x - m) * s + t) -> one jaxfuse_epilogue call"),
+    Family("scale_shift_residual_relu", relu(add(add(mul(x, s), t), r)), False, True, True,
+           "relu((x * s + t) + r) -> one jaxfuse_epilogue call"),
+    Family("scale_shift_relu", relu(add(mul(x, s), t)), False, True, False,
+           "relu(x * s + t) -> one jaxfuse_epilogue call"),
+    Family("bias_residual_relu", relu(add(add(x, t), r)), False, False, True,
+           "relu((x + t) + r) -> one jaxfuse_epilogue call"),
+    Family("add_relu", relu(add(x, t)), False, False, False,
+           "add followed by ReLU -> jaxfuse_add_relu (one custom call)"),
+)
+
+
+def _candidates(family: Family):
+    def match(eqn, graph: Graph):
+        out = eqn.outvars[0] if len(eqn.outvars) == 1 else None
+        if out is None:
+            return
+        for st in matches(family.tree, out, graph):
+            yield _to_match(family, st, eqn, graph)
+
+    return match
+
+
+def _to_match(family, st, root, graph) -> Match:
+    sp = st.notes["relu"]
+    v, out = sp.operand, root.outvars[0]
+    inside = {id(e) for e in st.eqns}
+    found = M.find(v, out, graph, inside) if graph.uses(v) > 1 else []
+    found = found or []
+    operands = tuple(st.bindings[n] for n in family.labels)
+    return Match(
+        root=root, eqns=(*st.eqns, *(mk.eqn for mk in found)),
+        operands=tuple(o.atom for o in operands), spelling=sp.text,
+        outputs=(out, *(mk.eqn.outvars[0] for mk in found)),
+        info={"family": family, "relu": sp, "operands": operands, "masks": tuple(found)})
+
+
+def check(mt: Match, graph: Graph) -> str | None:
+    family, sp, operands = mt.info["family"], mt.info["relu"], mt.info["operands"]
+    if sp.decline:
+        return sp.decline
+    try:  # the fused op's own operand contract, its message as the reason
+        check_broadcast("", [(n, o.shape, o.aval.dtype) for n, o in zip(family.labels, operands)])
+    except (TypeError, ValueError) as e:
+        return str(e).removeprefix(": ")
+    y, out = sp.operand.aval, mt.root.outvars[0].aval
+    if (tuple(out.shape), out.dtype) != (tuple(y.shape), y.dtype):
+        return f"the ReLU changes its operand's type from {y.str_short()} to {out.str_short()}"
+    if getattr(out, "weak_type", False) != getattr(y, "weak_type", False):
+        return "the ReLU changes its operand's weak type"
+    return None
+
+
+def build(mt: Match, graph: Graph):
+    family, sp = mt.info["family"], mt.info["relu"]
+    found = mt.info["masks"]
+    like = mt.root
+    eqns, atoms = [], []
+    for o in mt.info["operands"]:
+        if o.via is None:
+            atoms.append(o.atom)
+            continue
+        # Read the broadcast's source in place: the same broadcast_in_dim, to
+        # the size-1 view instead of the full shape.
+        view = C.new_var(o.via.outvars[0].aval.update(shape=o.shape))
+        eqns.append(C.new_eqn([o.atom], [view], o.via.primitive,
+                              {**o.via.params, "shape": o.shape}, like=o.via))
+        atoms.append(view)
+    out = mt.root.outvars[0]
+    needs_tie = any(M.NEEDS_TIE[mk.kind] for mk in found)
+    tie_var = None
+    if needs_tie:
+        given = [mk.eqn.outvars[0] for mk in found if mk.kind == "eq"]
+        tie_var = given[0] if given else C.new_var(
+            out.aval.update(dtype=np.dtype(np.bool_), weak_type=False))
+    effects = C.no_effects()
+    for e in mt.eqns:
+        effects = effects | e.effects
+    cost = mt.info.get("cost")
+    if family.name == "add_relu" and not needs_tie:
+        params = {"grad_at_zero": sp.grad_at_zero}
+        if cost is not None:
+            params["cost"] = cost
+        eqns.append(C.new_eqn(atoms, [out], add_relu_p, params, like=like, effects=effects))
+    else:
+        params = {"mean": family.mean, "scale": family.scale, "residual": family.residual,
+                  "tie": needs_tie, "grad_at_zero": sp.grad_at_zero}
+        if cost is not None:
+            params["cost"] = cost
+        eqns.append(C.new_eqn(atoms, [out, tie_var] if needs_tie else [out], epilogue_p,
+                              params, like=like, effects=effects))
+    eqns.extend(M.build(found, out, tie_var, like=like))
+    return eqns
+
+
+PATTERNS = tuple(
+    Pattern(f.name, _candidates(f), check, build, roots=ROOTS, doc=f.doc, barrier=True)
+    for f in FAMILY)
+
+__all__ = ["FAMILY", "PATTERNS"]
