@@ -14,6 +14,7 @@ namespace nb = nanobind;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AddReluCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EpilogueCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CopyCuda);
 
 NB_MODULE(_cuda_kernels, m) {
   m.doc() = "jaxfuse CUDA kernels (XLA FFI handlers as capsules).";
@@ -21,6 +22,7 @@ NB_MODULE(_cuda_kernels, m) {
     nb::dict d;
     d["jaxfuse_add_relu"] = nb::capsule(reinterpret_cast<void*>(AddReluCuda));
     d["jaxfuse_epilogue"] = nb::capsule(reinterpret_cast<void*>(EpilogueCuda));
+    d["jaxfuse_copy"] = nb::capsule(reinterpret_cast<void*>(CopyCuda));  // the benchmark's reference
     return d;
   }, "Dict of FFI target name -> handler capsule (XLA FFI API, platform='CUDA').");
   m.def("runtime_status", []() {

@@ -19,6 +19,7 @@ from . import _compat as C
 from . import _env, _kernels, _numerics
 from ._primitive import (add_relu_p, add_relu_reference, epilogue_p, epilogue_reference)
 from ._sharding import is_partitioned, local_call, lower_partitioned
+from .rewrite import cost as _cost
 
 DISABLE_KERNELS = C.jit_key_flag(
     "jaxfuse_disable_kernels", _env.SETTINGS.disable_kernels,
@@ -61,6 +62,7 @@ def _reference_lowering(reference, multiple_results):
 
 _lower_add_relu_reference = _reference_lowering(
     lambda a, b, **_: add_relu_reference(a, b), multiple_results=False)
+# (epilogue_reference ignores grad_at_zero and cost too)
 _lower_epilogue_reference = _reference_lowering(epilogue_reference, multiple_results=True)
 
 
@@ -90,6 +92,9 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
             return reference(ctx, *args, **params)
         if not _fits_device(ctx, platform, target):
             return reference(ctx, *args, **params)
+        if _cost.platform_reason(params.get("cost"), platform) is not None:
+            # The pass recorded this site; on this platform XLA's own fusion of it wins.
+            return reference(ctx, *args, **params)
         attrs = attrs_of(ctx, platform, **params)
         if is_partitioned(ctx):
             return lower_partitioned(ctx, *args, target=target, attrs=attrs)
@@ -99,11 +104,11 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
     return lower
 
 
-def _add_relu_attrs(ctx, platform, *, grad_at_zero):
+def _add_relu_attrs(ctx, platform, *, grad_at_zero, cost=None):
     return ()  # grad_at_zero only matters to the JVP
 
 
-def _epilogue_attrs(ctx, platform, *, mean, scale, residual, tie, grad_at_zero):
+def _epilogue_attrs(ctx, platform, *, mean, scale, residual, tie, grad_at_zero, cost=None):
     r = _numerics.rounding(platform, ctx.avals_in[0].dtype)
     return (("mean", mean), ("scale", scale), ("residual", residual), ("contract", r.contract),
             ("narrow_each_op", r.narrow_each_op), ("tie", tie))

@@ -12,6 +12,8 @@ gradient's tie rule needs and cannot recover from the output alone.
 
 Shared contract:
   * all operands share one served dtype;
+  * `cost` (optional) is what the pass's cost model recorded about the site;
+    the lowering decides with it, per platform, whether the kernel pays;
   * each has the output's rank or rank 0, and every dimension equals the
     output's or is 1 -- the size-1 broadcasting `lax.add` itself accepts, so a
     bias `(1, C)` is read in place, never materialized;
@@ -119,12 +121,12 @@ def _aval_out(avals):
 
 
 # ---------------------------------------------------------------- abstract eval
-def _add_relu_abstract_eval(a, b, *, grad_at_zero):
+def _add_relu_abstract_eval(a, b, *, grad_at_zero, cost=None):
     check_operands(a.shape, a.dtype, b.shape, b.dtype)
     return _aval_out([a, b])
 
 
-def _epilogue_abstract_eval(*avals, mean, scale, residual, tie, grad_at_zero):
+def _epilogue_abstract_eval(*avals, mean, scale, residual, tie, grad_at_zero, cost=None):
     labels = epilogue_labels(mean=mean, scale=scale, residual=residual)
     if len(avals) != len(labels):
         raise TypeError(f"jaxfuse epilogue: expected operands {labels}, got {len(avals)}")
@@ -164,7 +166,7 @@ def add_relu_reference(a, b):
     return lax.max(lax.add(a, b), lax.full((), 0, a.dtype))
 
 
-def epilogue_reference(*operands, mean, scale, residual, tie, grad_at_zero=None):
+def epilogue_reference(*operands, mean, scale, residual, tie, grad_at_zero=None, cost=None):
     """The unfused definition of `epilogue_p` (XLA fuses and rounds it its own way)."""
     v = preactivation(*operands, mean=mean, scale=scale, residual=residual)
     zero = lax.full((), 0, v.dtype)
@@ -212,9 +214,9 @@ def _relu_tangent(t, out, grad_at_zero, tie=None, y=None):
     return lax.mul(t, mask)
 
 
-def _add_relu_jvp(primals, tangents, *, grad_at_zero):
+def _add_relu_jvp(primals, tangents, *, grad_at_zero, **params):
     a, b = primals
-    out = add_relu_p.bind(a, b, grad_at_zero=grad_at_zero)
+    out = add_relu_p.bind(a, b, grad_at_zero=grad_at_zero, **params)
     t = _add_tangents(*tangents, out)
     if t is None:
         return out, _zero_tangent(out)
@@ -223,10 +225,10 @@ def _add_relu_jvp(primals, tangents, *, grad_at_zero):
     return out, _relu_tangent(t, out, grad_at_zero, y=y)
 
 
-def _epilogue_jvp(primals, tangents, *, mean, scale, residual, tie, grad_at_zero):
+def _epilogue_jvp(primals, tangents, *, mean, scale, residual, tie, grad_at_zero, **params):
     need_tie = tie or grad_at_zero != RELU_GRAD_AT_ZERO
     outs = epilogue_p.bind(*primals, mean=mean, scale=scale, residual=residual,
-                           tie=need_tie, grad_at_zero=grad_at_zero)
+                           tie=need_tie, grad_at_zero=grad_at_zero, **params)
     out = outs[0]
     primal_out = outs if tie else outs[:1]
     zeros = [_zero_tangent(o) for o in primal_out]
@@ -275,9 +277,9 @@ def _to_batch_front(args, dims):
     return out
 
 
-def _add_relu_batch(args, dims, *, grad_at_zero):
+def _add_relu_batch(args, dims, **params):
     a, b = _to_batch_front(args, dims)
-    return add_relu_p.bind(a, b, grad_at_zero=grad_at_zero), 0
+    return add_relu_p.bind(a, b, **params), 0
 
 
 def _epilogue_batch(args, dims, **params):

@@ -52,7 +52,8 @@ def test_build_info():
     if _build_info.CUDA_BUILT:
         from jaxfuse import _cuda_kernels
 
-        assert set(_cuda_kernels.registrations()) == {"jaxfuse_add_relu", "jaxfuse_epilogue"}
+        assert set(_cuda_kernels.registrations()) == {"jaxfuse_add_relu", "jaxfuse_epilogue",
+                                                      "jaxfuse_copy"}
 
 
 SPECIAL_F32 = np.array(

@@ -127,7 +127,7 @@ class Context:
     """How a (nested) jaxpr's inputs and outputs meet the program around it."""
 
     inputs: tuple
-    """Per invar: the producer class the caller gives it."""
+    """Per invar: (producer class, primitive) the caller gives it."""
     outputs: tuple
     """Per outvar: the set of materializing reader kinds in the caller."""
 
@@ -152,9 +152,9 @@ class CostModel:
         name = eqn.primitive.name
         body_jaxpr = getattr(body, "jaxpr", body)
         if name not in _TRANSPARENT or len(body_jaxpr.invars) != len(eqn.invars):
-            return Context(("input",) * len(body_jaxpr.invars),
+            return Context((("input", None),) * len(body_jaxpr.invars),
                            (("loop",),) * len(body_jaxpr.outvars))
-        inputs = tuple(producer_class(a, graph, outer)[0] for a in eqn.invars)
+        inputs = tuple(producer_class(a, graph, outer) for a in eqn.invars)
         outputs = tuple(tuple(sorted(materializing_readers(v, graph, outer)))
                         for v in eqn.outvars[:len(body_jaxpr.outvars)])
         return Context(inputs, outputs)
@@ -195,7 +195,7 @@ def producer_class(atom, graph, context) -> tuple[str, str | None]:
     eqn = graph.producer(atom)
     if eqn is None:
         if context is not None and atom in graph.jaxpr.invars:
-            return context.inputs[list(graph.jaxpr.invars).index(atom)], None
+            return context.inputs[list(graph.jaxpr.invars).index(atom)]
         return "input", None  # an argument, a constant
     name = eqn.primitive.name
     if name in _VIEWS or (name == "broadcast_in_dim" and _adds_size1_dims(eqn)):
@@ -212,7 +212,7 @@ def producer_class(atom, graph, context) -> tuple[str, str | None]:
         body, consts = _body_of(eqn)
         if body is not None:
             i = next(k for k, v in enumerate(eqn.outvars) if v is atom)
-            inner = Context(tuple(producer_class(a, graph, context)[0] for a in eqn.invars), ())
+            inner = Context(tuple(producer_class(a, graph, context) for a in eqn.invars), ())
             return producer_class(body.outvars[i], Graph(body, consts), inner)
     return "other", name
 
@@ -236,7 +236,7 @@ def materializing_readers(var, graph, context, skip=frozenset()) -> set:
         if name in _TRANSPARENT:
             body, consts = _body_of(eqn)
             if body is not None:
-                inner = Context(("input",) * len(body.invars), tuple(
+                inner = Context((("input", None),) * len(body.invars), tuple(
                     tuple(sorted(materializing_readers(o, graph, context))) for o in eqn.outvars))
                 sub = Graph(body, consts)
                 for i, a in enumerate(eqn.invars):

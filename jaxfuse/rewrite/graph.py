@@ -75,7 +75,13 @@ class Graph:
 
     def inlined_from(self, eqn) -> str | None:
         """The name of the small `jit` this equation was inlined from, if any."""
-        return self._inlined.get(id(eqn))
+        found = self._inlined.get(id(eqn))
+        return found[1] if found else None
+
+    def inline_group(self, eqn) -> int | None:
+        """Which inlined call this equation came from (None: it was here)."""
+        found = self._inlined.get(id(eqn))
+        return found[0] if found else None
 
     def users(self, atom) -> list[C.JaxprEqn]:
         return [e for e in self.jaxpr.eqns if any(a is atom for a in e.invars)]

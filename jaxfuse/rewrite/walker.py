@@ -134,6 +134,8 @@ class _Walk:
                 fused = False
                 for m in _candidates(pattern, root, graph):
                     m = _with_root(m)
+                    if _inside_one_call(m, graph):
+                        break  # the call's own body was walked: its sites are reported there
                     reason = (pattern.check(m, graph)
                               or _structural_reason(m, graph, absorbed)
                               or (f"inside unknown higher-order primitive `{frozen}`, "
@@ -196,6 +198,11 @@ def _candidates(pattern, root, graph):
     if isinstance(found, Match):
         return (found,)
     return found
+
+
+def _inside_one_call(m: Match, graph: Graph) -> bool:
+    groups = {graph.inline_group(e) for e in m.eqns}
+    return len(groups) == 1 and None not in groups
 
 
 def _with_root(m: Match) -> Match:
@@ -288,9 +295,9 @@ def _inline_small_calls(eqns):
         if copy is None:
             view.append(eqn)
             continue
-        groups.append((eqn, copy))
         for e in copy:
-            names[id(e)] = eqn.params.get("name", "?")
+            names[id(e)] = (len(groups), eqn.params.get("name", "?"))
+        groups.append((eqn, copy))
         view.extend(copy)
     return view, groups, names
 

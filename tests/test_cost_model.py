@@ -1,0 +1,179 @@
+"""policy="auto": which sites the cost model fuses, which it declines, and why.
+
+Each decision is pinned on programs whose sizes sit far from the measured
+thresholds, so the test states the rule, not a measurement. Nothing here is
+timed: explain and the lowered text say what was decided.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import jaxfuse
+from jaxfuse.rewrite import cost
+
+BIG = (1 << 22) // 1024, 1024   # 4M elements: far above every size threshold
+SMALL = (4, 8)
+
+
+def sds(shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def one_site(report):
+    assert len(report) == 1, str(report)
+    return report.sites[0]
+
+
+def custom_calls(f, *args):
+    return len(re.findall(r"custom_call @jaxfuse_\w+", jax.jit(f).lower(*args).as_text()))
+
+
+def test_policy_is_validated():
+    with pytest.raises(ValueError, match="policy"):
+        jaxfuse.optimize(lambda x: x, policy="sometimes")
+    with pytest.raises(ValueError, match="policy"):
+        jaxfuse.explain(lambda x: x, jnp.ones(2), policy="fast")
+
+
+def test_materialized_operands_fuse_where_the_kernel_pays():
+    f = lambda a, b: jax.nn.relu(a + b)  # noqa: E731
+    site = one_site(jaxfuse.explain(f, sds(BIG), sds(BIG), platform="cpu"))
+    assert site.fused and site.cost.producers == ("input", "input")
+    assert custom_calls(jaxfuse.optimize(f), sds(BIG), sds(BIG)) == 1
+
+
+def test_too_small_a_call_is_declined_at_lowering_with_the_measurement():
+    f = lambda a, b: jax.nn.relu(a + b)  # noqa: E731
+    site = one_site(jaxfuse.explain(f, sds(SMALL), sds(SMALL), platform="cpu"))
+    assert site.declined_for_cost and not site.fused
+    assert "32 elements" in site.reason and cost.PLATFORMS["cpu"].source in site.reason
+    # the fused op is in the jaxpr, but it lowers to XLA's own ops: same program
+    assert custom_calls(jaxfuse.optimize(f), sds(SMALL), sds(SMALL)) == 0
+    assert custom_calls(jaxfuse.optimize(f, policy="always"), sds(SMALL), sds(SMALL)) == 1
+
+
+@pytest.mark.parametrize("producer,name", [
+    (jnp.exp, "exp"), (lambda v: v / 3.0, "div"), (lambda v: v.astype(jnp.float32), None),
+])
+def test_an_elementwise_producer_xla_would_fuse_is_declined(producer, name):
+    f = lambda a, b: jax.nn.relu(producer(a) + b)  # noqa: E731
+    args = (sds(BIG, jnp.float16 if name is None else jnp.float32), sds(BIG))
+    site = one_site(jaxfuse.explain(f, *args, platform="cpu"))
+    assert site.declined_for_cost, str(site)
+    assert "XLA fuses into the same loop" in site.reason and "MiB" in site.reason
+    if name:
+        assert f"`{name}`" in site.reason
+
+
+def test_a_multiply_feeding_the_add_is_absorbed_not_declined():
+    f = lambda a, b: jax.nn.relu(a * 2.0 + b)  # noqa: E731
+    site = one_site(jaxfuse.explain(f, sds(BIG), sds(BIG), platform="cpu"))
+    assert site.fused and site.pattern == "scale_shift_relu"
+
+
+def test_small_operands_from_fusible_producers_cost_nothing():
+    # BatchNorm's per-channel scale: a small vector computed by rsqrt/mul
+    def f(x, gamma, var, beta):
+        return jax.nn.relu(x * (gamma * lax.rsqrt(var + 1e-5)) + beta)
+
+    site = one_site(jaxfuse.explain(f, sds(BIG), sds((1024,)), sds((1024,)), sds((1024,)),
+                                    platform="cpu"))
+    assert site.fused and site.pattern == "scale_shift_relu"
+    assert "small" in site.cost.producers
+
+
+def test_a_result_only_fused_consumers_read_is_declined():
+    f = lambda a, b: jnp.sum(jax.nn.relu(a + b) * 3.0)  # noqa: E731
+    site = one_site(jaxfuse.explain(f, sds(BIG), sds(BIG), platform="cpu"))
+    assert site.declined_for_cost and "only read by ops XLA fuses" in site.reason
+
+
+def test_a_result_a_matmul_reads_is_materialized_anyway():
+    f = lambda a, b, w: jax.nn.relu(a + b) @ w  # noqa: E731
+    site = one_site(jaxfuse.explain(f, sds(BIG), sds(BIG), sds((1024, 8)), platform="cpu"))
+    assert site.fused and "dot" in site.cost.consumers
+
+
+def test_dot_epilogue_is_left_to_xla_on_gpu_only():
+    f = lambda x, w, b: jax.nn.relu(x @ w + b)  # noqa: E731
+    args = (sds((4096, 1024)), sds((1024, 1024)), sds((1024,)))
+    on_cpu = one_site(jaxfuse.explain(f, *args, platform="cpu"))
+    assert on_cpu.fused and on_cpu.cost.producers[0] == "dot"
+    on_gpu = one_site(jaxfuse.explain(f, *args, platform="cuda"))
+    assert on_gpu.declined_for_cost and "cuBLASLt" in on_gpu.reason
+
+
+def _conv(x, k, dn):
+    return lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=dn)
+
+
+def test_nchw_convolution_is_left_to_xla_on_cpu():
+    nchw = lambda x, k, b: jax.nn.relu(_conv(x, k, ("NCHW", "OIHW", "NCHW")) + b)  # noqa: E731
+    site = one_site(jaxfuse.explain(nchw, sds((64, 64, 32, 32)), sds((64, 64, 3, 3)),
+                                    sds((1, 64, 1, 1)), platform="cpu"))
+    assert site.declined_for_cost and "NCHW" in site.reason
+    nhwc = lambda x, k, b: jax.nn.relu(_conv(x, k, ("NHWC", "HWIO", "NHWC")) + b)  # noqa: E731
+    site = one_site(jaxfuse.explain(nhwc, sds((64, 32, 32, 64)), sds((3, 3, 64, 64)),
+                                    sds((64,)), platform="cpu"))
+    assert site.fused and site.cost.producers[0] == "conv"
+    on_gpu = one_site(jaxfuse.explain(nhwc, sds((64, 32, 32, 64)), sds((3, 3, 64, 64)),
+                                      sds((64,)), platform="cuda"))
+    assert on_gpu.declined_for_cost and "cuDNN" in on_gpu.reason
+
+
+def test_decisions_see_through_jit_boundaries():
+    @jax.jit
+    def block(h, b):
+        return jax.nn.relu(h + b)
+
+    # XLA inlines the call: the exp outside is fused into the add inside.
+    fused_outside = lambda a, b: block(jnp.exp(a), b)  # noqa: E731
+    site = one_site(jaxfuse.explain(fused_outside, sds(BIG), sds(BIG), platform="cpu"))
+    assert site.declined_for_cost and "`exp`" in site.reason and site.path == "jit[block]"
+    # ... while a matmul outside materializes the operand anyway.
+    after_dot = lambda a, w, b: block(a @ w, b)  # noqa: E731
+    site = one_site(jaxfuse.explain(after_dot, sds(BIG), sds((1024, 1024)), sds(BIG),
+                                    platform="cpu"))
+    assert site.fused and site.cost.producers[0] == "dot"
+
+
+def test_loop_bodies_meet_materialized_carries():
+    def f(x, b):
+        return lax.scan(lambda c, _: (jax.nn.relu(c + b), None), x, None, length=3)[0]
+
+    site = one_site(jaxfuse.explain(f, sds(BIG), sds(BIG), platform="cpu"))
+    assert site.fused and site.path == "scan/body"
+    assert site.cost.producers == ("input", "input") and "loop" in site.cost.consumers
+
+
+def test_always_fuses_what_auto_declines():
+    f = lambda a, b: jnp.sum(jax.nn.relu(jnp.exp(a) + b))  # noqa: E731
+    auto = jaxfuse.explain(f, sds(BIG), sds(BIG), platform="cpu")
+    always = jaxfuse.explain(f, sds(BIG), sds(BIG), policy="always")
+    assert len(auto.declined_for_cost) == 1 and not auto.fused
+    assert len(always.fused) == 1 and always.policy == "always"
+    assert "policy 'auto', platform cpu" in str(auto)
+
+
+def test_the_platform_is_the_arguments_devices():
+    f = lambda a, b: jax.nn.relu(a + b)  # noqa: E731
+    a = jnp.ones(BIG)
+    assert jaxfuse.explain(f, a, a).platform == jax.devices()[0].platform
+    assert jaxfuse.explain(f, sds(BIG), sds(BIG)).platform == jax.devices()[0].platform
+
+
+def test_auto_values_equal_jit(rng):
+    from conftest import assert_bitwise_equal, random_operand
+
+    a = random_operand(rng, (64, 96), np.float32)
+    b = random_operand(rng, (96,), np.float32)
+    for f in (lambda a, b: jax.nn.relu(a + b) @ a.T, lambda a, b: jnp.sum(jax.nn.relu(jnp.exp(a) + b))):
+        assert_bitwise_equal(jaxfuse.optimize(f)(a, b), jax.jit(f)(a, b))

@@ -1,0 +1,224 @@
+"""Regression tests for defects found by trying to break jaxfuse: crashes,
+silent wrong answers, switches that did nothing, caches that did not cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+from jaxfuse import _env, _kernels, _lowering
+from jaxfuse.rewrite import graph as graph_mod
+
+from conftest import assert_bitwise_equal, random_operand
+from rewrite_support import explain_all, fuse, fused_count
+
+
+def test_complex_maximum_is_declined_not_a_crash(rng):
+    z = (random_operand(rng, (4, 3), np.float32) + 1j * random_operand(rng, (4, 3), np.float32)
+         ).astype(np.complex64)
+    f = lambda z: jnp.maximum(z + z, 0)  # noqa: E731
+    report = explain_all(f, z)
+    (site,) = report
+    assert not site.fused and "complex64" in site.reason
+    np.testing.assert_array_equal(fuse(f)(z), jax.jit(f)(z))
+    assert fused_count(jax.make_jaxpr(fuse(f))(z)) == 0
+
+
+def test_explain_marks_static_arguments_the_way_jit_does():
+    def h(z, b, n=1):
+        return jax.nn.relu(z + b) if n == 1 else z * b
+
+    o = fuse(h, static_argnums=2)
+    zeros, ones = jnp.zeros(4), jnp.ones(4)
+    for call in [(), (1,), (2,)]:  # left to its default, passed positionally
+        fused = fused_count(o.trace(zeros, ones, *call).jaxpr)
+        assert len(explain_all(o, zeros, ones, *call).fused) == fused
+    assert len(explain_all(o, zeros, ones, n=2).fused) == fused_count(o.trace(zeros, ones, n=2).jaxpr) == 0
+    assert len(explain_all(o, zeros, ones, n=1).fused) == 1
+    neg = fuse(h, static_argnums=-1)  # from the end of this call's positional arguments
+    assert len(explain_all(neg, zeros, ones, 2).fused) == 0
+
+
+def test_disable_jit_runs_the_function_eagerly():
+    def f(x):
+        if float(x.sum()) > 0:  # value-dependent Python: needs concrete values
+            return jax.nn.relu(x + 1.0)
+        return -x
+
+    x = jnp.arange(4.0)
+    with jax.disable_jit():
+        np.testing.assert_array_equal(fuse(f)(x), jax.nn.relu(x + 1.0))
+        np.testing.assert_array_equal(jaxfuse.optimize(f)(-x - 1), x + 1)
+
+
+def test_inline_optimize_traces_once():
+    traces = []
+
+    def g(x):
+        traces.append(1)
+        return jax.nn.relu(x + 1.0)
+
+    x = jnp.ones(8)
+    for _ in range(200):
+        jaxfuse.optimize(g)(x)
+    assert len(traces) == 1
+    jaxfuse.optimize(g, policy="always")(x)  # other options: one more trace
+    assert len(traces) == 2
+
+
+def test_inline_cache_does_not_keep_functions_alive():
+    import gc
+    import weakref
+
+    def make():
+        return lambda x: jax.nn.relu(x + 2.0)
+
+    f = make()
+    ref = weakref.ref(f)
+    opt = jaxfuse.optimize(f)
+    opt(jnp.ones(3))
+    del f
+    gc.collect()
+    assert ref() is not None  # the optimized function still needs it
+    del opt
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.parametrize("name,value,expected", [
+    ("JAXFUSE_DISABLE_KERNELS", "true", True), ("JAXFUSE_DISABLE_KERNELS", "No", False),
+    ("JAXFUSE_DISABLE_KERNELS", "1", True), ("JAXFUSE_NO_MADVISE", "0", True),
+    ("JAXFUSE_NO_MADVISE", "yes", False), ("JAXFUSE_CPU_MAX_THREADS", "3", 3),
+])
+def test_environment_switches_parse(name, value, expected):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = _env.read({name: value})
+    got = {"JAXFUSE_DISABLE_KERNELS": s.disable_kernels, "JAXFUSE_NO_MADVISE": s.huge_pages,
+           "JAXFUSE_CPU_MAX_THREADS": s.cpu_max_threads}[name]
+    assert got == expected
+
+
+@pytest.mark.parametrize("name,value", [
+    ("JAXFUSE_CPU_MAX_THREADS", "abc"), ("JAXFUSE_CPU_MAX_THREADS", "-1"),
+    ("JAXFUSE_CPU_MAX_THREADS", "1.5"), ("JAXFUSE_DISABLE_KERNELS", "maybe"),
+    ("JAXFUSE_NO_MADVISE", "2"), ("JAXFUSE_CPU_STREAMING", "sometimes"),
+])
+def test_environment_garbage_warns_with_name_and_value(name, value):
+    with pytest.warns(RuntimeWarning) as caught:
+        s = _env.read({name: value})
+    message = str(caught[0].message)
+    assert name in message and repr(value) in message
+    assert s == _env.read({})  # the default is kept
+
+
+@pytest.mark.skipif(not _kernels.built("cpu"), reason="needs the CPU kernel")
+def test_cpu_kernel_receives_the_parsed_settings():
+    module = _kernels._modules["cpu"]
+    before = module.settings()
+    try:
+        _kernels.configure_cpu(_env.read({"JAXFUSE_CPU_MAX_THREADS": "1", "JAXFUSE_NO_MADVISE": "1",
+                                          "JAXFUSE_CPU_STREAMING": "off"}))
+        assert module.settings()["max_threads"] == 1
+        assert module.settings()["huge_pages"] is False and module.settings()["streaming"] == 0
+        x = jnp.asarray(random_operand(np.random.default_rng(0), (1 << 18,), np.float32))
+        assert_bitwise_equal(jaxfuse.add_relu(x, x), jax.jit(lambda a: jnp.maximum(a + a, 0))(x))
+    finally:
+        module.configure(before["max_threads"], before["huge_pages"], before["streaming"])
+
+
+def test_kernels_reports_where_a_kernel_can_run_now():
+    k = jaxfuse.kernels()
+    assert set(k) == {"cpu", "cuda"}
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        assert k["cuda"] is False and _kernels.why_not("cuda")
+
+
+@pytest.mark.parametrize("cc,ok", [("8.0", True), ("8.6", True), ("8.9", True), ("9.0", True),
+                                   ("10.0", True), ("7.5", False), ("7.0", False)])
+def test_cuda_coverage_rule(cc, ok):
+    assert _kernels.covers(cc, {80, 86, 89, 90}, {90}) is ok
+    assert _kernels.covers(cc, {90}, set()) is (cc == "9.0")
+
+
+def test_kernel_choice_is_part_of_jits_cache_key(rng):
+    if not _kernels.kernels()["cpu"]:
+        pytest.skip("needs the CPU kernel")
+    a = random_operand(rng, (8, 5), np.float32)
+    f = jax.jit(jaxfuse.add_relu)
+    assert "custom_call" in f.lower(a, a).as_text()
+    f(a, a)
+    with _lowering.kernels_disabled():
+        assert "custom_call" not in f.lower(a, a).as_text()
+        out = f(a, a)
+    jax.config.update("jaxfuse_disable_kernels", True)
+    try:
+        assert "custom_call" not in f.lower(a, a).as_text()
+    finally:
+        jax.config.update("jaxfuse_disable_kernels", False)
+    assert "custom_call" in f.lower(a, a).as_text()
+    assert_bitwise_equal(out, f(a, a))
+
+
+def test_large_device_constants_are_not_read_to_test_for_zero(monkeypatch):
+    monkeypatch.setattr(graph_mod, "_on_host", lambda x: False)  # as on a GPU
+    small, big = jnp.zeros(()), jnp.zeros((1024,))
+    assert graph_mod._concrete(small) is not None
+    assert graph_mod._concrete(big) is None
+    assert graph_mod._concrete(np.zeros((1024,))) is not None  # host memory: free to read
+
+
+_SERIALIZED = textwrap.dedent("""
+    import sys, numpy as np, jax, jaxfuse
+    kind, path = sys.argv[1], sys.argv[2]
+    blob = open(path, "rb").read()
+    x = np.linspace(-2, 2, 24, dtype=np.float32).reshape(4, 6)
+    if kind == "export":
+        out = jax.export.deserialize(bytearray(blob)).call(x, x[0])
+    else:
+        from jax.experimental.serialize_executable import deserialize_and_load
+        import pickle
+        payload, in_tree, out_tree = pickle.loads(blob)
+        out = deserialize_and_load(payload, in_tree, out_tree)(x, x[0])
+    np.testing.assert_array_equal(out, np.maximum(x + x[0], 0))
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(not _kernels.built("cpu"), reason="needs the CPU kernel")
+@pytest.mark.parametrize("kind", ["export", "executable"])
+def test_serialized_program_runs_after_import_alone(tmp_path, kind):
+    x = np.zeros((4, 6), np.float32)
+    f = jax.jit(lambda x, b: jaxfuse.add_relu(x, b))
+    if kind == "export":
+        exp = jax.export.export(f, disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("jaxfuse_add_relu")])(x, x[0])
+        assert "jaxfuse_add_relu" in exp.mlir_module()
+        blob = exp.serialize()
+    else:
+        import pickle
+
+        from jax.experimental.serialize_executable import serialize
+        blob = pickle.dumps(serialize(f.lower(x, x[0]).compile()))
+    path = tmp_path / "program.bin"
+    path.write_bytes(blob)
+    script = tmp_path / "run.py"
+    script.write_text(_SERIALIZED)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, str(script), kind, str(path)], cwd=tmp_path,
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
