@@ -231,6 +231,9 @@ def materializing_readers(var, graph, context, skip=frozenset()) -> set:
         if id(eqn) in skip:
             continue
         name = eqn.primitive.name
+        if name in _VIEWS or (name == "broadcast_in_dim" and _adds_size1_dims(eqn)):
+            kinds.update(materializing_readers(eqn.outvars[0], graph, context))
+            continue  # moves no data: what matters is who reads the view
         if name in FUSING_CONSUMERS:
             continue
         if name in _TRANSPARENT:

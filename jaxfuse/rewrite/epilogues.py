@@ -53,9 +53,9 @@ class Family:
 
 
 FAMILY = (
-    Family("bn_residual_relu", relu(add(add(mul(sub(x, m), s), t), r)), True, True, True,
+    Family("bn_residual_relu", relu(add(add(mul(sub(x, m, tag="sub"), s), t), r)), True, True, True,
            "relu(((x - m) * s + t) + r) -> one jaxfuse_epilogue call"),
-    Family("bn_relu", relu(add(mul(sub(x, m), s), t)), True, True, False,
+    Family("bn_relu", relu(add(mul(sub(x, m, tag="sub"), s), t)), True, True, False,
            "relu((x - m) * s + t) -> one jaxfuse_epilogue call"),
     Family("scale_shift_residual_relu", relu(add(add(mul(x, s), t), r)), False, True, True,
            "relu((x * s + t) + r) -> one jaxfuse_epilogue call"),
@@ -86,11 +86,23 @@ def _to_match(family, st, root, graph) -> Match:
     found = M.find(v, out, graph, inside) if graph.uses(v) > 1 else []
     found = found or []
     operands = tuple(st.bindings[n] for n in family.labels)
+    # `x - m` read elsewhere too (a training step's backward pass reads it for
+    # the scale's gradient): the kernel computes it from x and m, and the
+    # program keeps it for those readers, as XLA would recompute it in each of
+    # their loops. (A shared multiply is not taken: XLA might then not
+    # contract it into the add, and the kernel's bits would differ.)
+    centred = st.notes.get("sub")
+    shared = (centred,) if centred is not None and _read_outside(centred, graph, inside) else ()
     return Match(
         root=root, eqns=(*st.eqns, *(mk.eqn for mk in found)),
         operands=tuple(o.atom for o in operands), spelling=sp.text,
-        outputs=(out, *(mk.eqn.outvars[0] for mk in found)),
+        outputs=(out, *(mk.eqn.outvars[0] for mk in found)), shared=shared,
         info={"family": family, "relu": sp, "operands": operands, "masks": tuple(found)})
+
+
+def _read_outside(eqn, graph, inside) -> bool:
+    v = eqn.outvars[0]
+    return graph.is_output(v) or any(id(u) not in inside for u in graph.users(v))
 
 
 def check(mt: Match, graph: Graph) -> str | None:

@@ -46,6 +46,11 @@ class Match:
     and outputs of other absorbed equations that are still read elsewhere
     (e.g. a gradient's masks, rewritten from the fused op's outputs)."""
 
+    shared: tuple = ()
+    """Absorbed equations the program keeps for their other readers (cheap
+    elementwise ops the replacement recomputes from their operands, as XLA
+    would in each reader's loop): they may have uses outside the match."""
+
     def __post_init__(self):
         if not self.outputs:
             object.__setattr__(self, "outputs", tuple(self.root.outvars))

@@ -145,6 +145,8 @@ class Report:
             operands = ", ".join(f"{d}{list(sh)}" for sh, d in zip(s.shapes, s.dtypes))
             rows.append((s.pattern, s.status, s.location,
                          s.path or "-", s.spelling, operands, s.reason or ""))
+            for name, why in s.alternatives:  # the other patterns that fit here
+                rows.append((f"  {name}", "also", "", "", "", "", why))
         for k in self.skipped:
             rows.append(("-", "skipped", k.location, k.path or "-", k.primitive, "", k.reason))
         cost = len(self.declined_for_cost)

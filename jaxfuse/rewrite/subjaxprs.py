@@ -51,6 +51,26 @@ _KNOWN: dict[str, Callable] = {
 }
 
 
+# Primitives whose jaxpr parameters are scalar combiners (scatter's update,
+# reduce's computation), not bodies of the program: nothing there to fuse, and
+# nothing hidden from the pass.
+_COMBINERS = frozenset({
+    "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+    "scatter_min", "scatter-max", "scatter_max", "scatter-apply", "scatter_apply",
+    "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add",
+    "select_and_gather_add",
+})
+
+
+def _is_combiner(eqn, bodies) -> bool:
+    if eqn.primitive.name in _COMBINERS:
+        return True
+    # A function of scalars only is a combiner whatever primitive holds it.
+    return bool(bodies) and all(
+        all(not getattr(v.aval, "shape", ()) for v in getattr(b, "jaxpr", b).invars)
+        for b, _ in bodies)
+
+
 def _is_jaxpr(v) -> bool:
     return isinstance(v, (C.Jaxpr, C.ClosedJaxpr))
 
@@ -67,12 +87,13 @@ def is_known(eqn) -> bool:
 
 
 def unknown_bodies(eqn) -> list:
-    """(jaxpr, segment) for every body in the params of a primitive we do not know."""
+    """(jaxpr, segment) for every body in the params of a primitive we do not
+    know; none for primitives whose jaxprs are only scalar combiners."""
     found = []
     for key, value in eqn.params.items():
         for _, v, seg in _items(value, f"{eqn.primitive.name}/{key}"):
             found.append((v, seg))
-    return found
+    return [] if _is_combiner(eqn, found) else found
 
 
 def map_bodies(eqn, fn) -> C.JaxprEqn:

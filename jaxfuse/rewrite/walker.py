@@ -149,7 +149,8 @@ class _Walk:
                         where, reason = _placement(m, graph)
                     if reason is None and cost_reason is None:
                         plans[where] = plans.get(where, []) + _build(pattern, m, graph)
-                        absorbed.update(id(e) for e in m.eqns)
+                        keep = {id(e) for e in m.shared}
+                        absorbed.update(id(e) for e in m.eqns if id(e) not in keep)
                         sites.append(self._site(pattern, m, None, declined))
                         fused = True
                         break
@@ -217,10 +218,15 @@ def _structural_reason(m: Match, graph: Graph, absorbed: set) -> str | None:
     equation another rewrite already took."""
     outputs = {id(v) for v in m.outputs}
     inside_eqns = {id(e) for e in m.eqns}
+    shared = {id(e) for e in m.shared}
     for e in m.eqns:
         name = e.primitive.name
         if id(e) in absorbed:
             return f"overlaps another rewrite at `{name}`"
+        if id(e) in shared:
+            if e.effects:
+                return f"`{name}` has effects"
+            continue
         if e is not m.root and e.effects:
             return f"`{name}` has effects"
         for v in e.outvars:
@@ -241,7 +247,9 @@ def _placement(m: Match, graph: Graph) -> tuple[int, str | None]:
     """Where the replacement goes: at the first absorbed equation that defines
     one of its outputs, which must come after every operand's definition."""
     outputs = {id(v) for v in m.outputs}
-    where = min(graph.position(e) for e in m.eqns if any(id(v) in outputs for v in e.outvars))
+    shared = {id(e) for e in m.shared}
+    where = min(graph.position(e) for e in m.eqns
+                if id(e) not in shared and any(id(v) in outputs for v in e.outvars))
     for a in m.operands:
         prod = graph.producer(a)
         if prod is not None and graph.position(prod) >= where:
