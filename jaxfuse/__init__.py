@@ -9,6 +9,7 @@ from ._primitive import (SERVED_DTYPES, add_relu, add_relu_p, epilogue_p,  # noq
                          scale_shift_relu)
 from ._kernels import kernels, register_all as _register_all
 from . import _lowering  # noqa: F401  (registers the lowerings)
+from . import tuning  # noqa: F401  (policy="measure": jaxfuse.tuning.cache())
 from .rewrite import Match, Pattern, Report, Site, Skipped, explain, optimize, register_pattern  # noqa: F401  (the fusion pass)
 
 # FFI targets are registered now, before any backend exists, so a serialized
@@ -18,4 +19,4 @@ _register_all()
 __version__ = "0.1.0"
 __all__ = ["add_relu", "scale_shift_relu", "add_relu_p", "epilogue_p", "SERVED_DTYPES", "kernels",
            "optimize", "explain", "register_pattern", "Pattern", "Match", "Report", "Site",
-           "Skipped"]
+           "Skipped", "tuning"]

@@ -1,0 +1,205 @@
+"""`policy="measure"`: time the candidate programs on the device, keep the fastest.
+
+The first time `optimize(f, policy="measure")` traces a signature, the
+candidates are built: the program as jax traced it (XLA fuses it alone), the
+rewrite the cost model chooses (`"auto"`) and every safe site fused
+(`"always"`); identical candidates are timed once. Each is compiled for the
+arguments' shapes and run on data of those shapes (random normal floats, zero
+integers: the program's values do not change an elementwise kernel's speed),
+in interleaved rounds until `rounds` are done or `budget_s` is spent, and the
+one with the smallest median wins -- in the manner of tokamax's
+`implementation=None` autotuning and Triton's autotune cache.
+
+The decision is remembered in a small JSON file per key under the cache
+directory (`JAXFUSE_CACHE_DIR`, default `$XDG_CACHE_HOME/jaxfuse/tuning` or
+`~/.cache/jaxfuse/tuning`). The key holds the device kind, the jax, jaxlib
+and jaxfuse versions, a fingerprint of the jaxpr and the argument shapes and
+dtypes: a new version, device or program never reuses an old decision.
+`jaxfuse.tuning.cache()` inspects and clears it.
+
+A program with effects (callbacks, prints) is not timed -- running it again
+would repeat them -- and gets the cost model's choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+
+import jax
+
+from . import _compat as C
+
+VARIANTS = ("xla", "auto", "always")
+
+
+def _default_dir() -> str:
+    env = os.environ.get("JAXFUSE_CACHE_DIR")
+    if env:
+        return os.path.join(os.path.expanduser(env), "tuning")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxfuse", "tuning")
+
+
+class TuningCache:
+    """The on-disk decisions: one JSON file per key, written atomically."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or _default_dir()
+
+    def _file(self, key: dict) -> str:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+        return os.path.join(self.path, f"{digest}.json")
+
+    def get(self, key: dict) -> str | None:
+        try:
+            with open(self._file(key)) as f:
+                entry = json.load(f)
+        except (OSError, ValueError):
+            return None
+        # The file name is a hash: check the key itself, so a collision or a
+        # hand-edited file never hands back another program's choice.
+        if entry.get("key") != key or entry.get("choice") not in VARIANTS:
+            return None
+        return entry["choice"]
+
+    def put(self, key: dict, choice: str, medians: dict) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        target = self._file(key)
+        tmp = f"{target}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"key": key, "choice": choice, "median_s": medians,
+                       "written": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
+        os.replace(tmp, target)
+
+    def entries(self) -> list[dict]:
+        """Every decision stored, as dicts with key, choice and median_s."""
+        out = []
+        try:
+            names = sorted(os.listdir(self.path))
+        except OSError:
+            return out
+        for name in names:
+            if name.endswith(".json"):
+                try:
+                    with open(os.path.join(self.path, name)) as f:
+                        out.append(json.load(f))
+                except (OSError, ValueError):
+                    continue
+        return out
+
+    def clear(self) -> int:
+        """Removes every stored decision; returns how many."""
+        n = 0
+        for name in os.listdir(self.path) if os.path.isdir(self.path) else ():
+            if name.endswith(".json"):
+                os.remove(os.path.join(self.path, name))
+                n += 1
+        return n
+
+
+def cache(path: str | None = None) -> TuningCache:
+    """The tuning cache (at `path`, or the default location)."""
+    return TuningCache(path)
+
+
+def _wall_time(name: str, run: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    jax.block_until_ready(run())
+    return time.perf_counter() - t
+
+
+@dataclasses.dataclass
+class Autotuner:
+    """How `policy="measure"` times its candidates.
+
+    `timer(variant_name, run) -> seconds` times one call (`run()` executes the
+    variant once); the default waits for the result and reads the wall clock.
+    """
+
+    rounds: int = 7
+    budget_s: float = 2.0
+    timer: Callable[[str, Callable[[], object]], float] = _wall_time
+    cache: TuningCache = dataclasses.field(default_factory=TuningCache)
+    log: list = dataclasses.field(default_factory=list)
+    """(key, choice, medians) of every decision this tuner measured."""
+
+
+DEFAULT = Autotuner()
+
+
+def _key(closed, dynamic) -> dict:
+    import jaxlib
+
+    from . import __version__
+
+    avals = [f"{a.dtype}{list(a.shape)}" for a in closed.in_avals]
+    fingerprint = hashlib.sha256(str(closed.jaxpr).encode()).hexdigest()
+    consts = [f"{np.asarray(c).dtype}{list(np.shape(c))}" for c in closed.consts]
+    return {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "jaxfuse": __version__,
+            "jaxpr": fingerprint, "args": avals, "consts": consts}
+
+
+def _inputs(closed, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for a in closed.in_avals:
+        dtype = np.dtype(a.dtype)
+        if np.issubdtype(dtype, np.floating) or dtype.kind == "V":
+            out.append(jax.numpy.asarray(rng.standard_normal(a.shape), dtype))
+        else:
+            out.append(jax.numpy.zeros(a.shape, dtype))
+    return out
+
+
+def _compiled(variant, args):
+    fn = jax.jit(lambda *a: C.eval_closed(variant, *a))
+    return fn.lower(*args).compile()
+
+
+def choose(closed, patterns, dynamic, autotuner: Autotuner | None = None, donate=None):
+    """The fastest of the candidate programs for `closed` (a ClosedJaxpr)."""
+    from .rewrite import cost
+    from .rewrite.walker import rewrite
+
+    tuner = autotuner or DEFAULT
+    candidates = {"xla": closed,
+                  "auto": rewrite(closed, patterns, cost=cost.CostModel())[0],
+                  "always": rewrite(closed, patterns)[0]}
+    distinct: dict[str, object] = {}
+    for name, variant in candidates.items():
+        if not any(variant is v or str(variant) == str(v) for v in distinct.values()):
+            distinct[name] = variant
+    if len(distinct) == 1 or closed.jaxpr.effects:
+        return candidates["auto"]
+    key = _key(closed, dynamic)
+    choice = tuner.cache.get(key)
+    if choice is not None:
+        return candidates[choice]
+    with jax.ensure_compile_time_eval():
+        args = _inputs(closed)
+        compiled = {name: _compiled(v, args) for name, v in distinct.items()}
+        for name, fn in compiled.items():  # warm-up: allocation, first touch
+            jax.block_until_ready(fn(*args))
+        times: dict[str, list[float]] = {name: [] for name in compiled}
+        start = time.perf_counter()
+        names = list(compiled)
+        for r in range(max(1, tuner.rounds)):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                times[name].append(tuner.timer(name, lambda fn=compiled[name]: fn(*args)))
+            if time.perf_counter() - start > tuner.budget_s:
+                break
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    choice = min(medians, key=medians.get)
+    tuner.cache.put(key, choice, medians)
+    tuner.log.append((key, choice, medians))
+    return candidates[choice]

@@ -1,0 +1,122 @@
+"""policy="measure": candidates timed with an injected timer, the faster kept,
+persisted, read back, and never reused across versions."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+from jaxfuse import tuning
+
+from conftest import assert_bitwise_equal, random_operand
+from rewrite_support import fused_count
+
+
+def program(a, b):
+    return jnp.sum(jax.nn.relu(jnp.exp(a) + b))  # auto declines (exp), always fuses
+
+
+class FakeTimer:
+    def __init__(self, times):
+        self.times, self.calls = times, []
+
+    def __call__(self, name, run):
+        self.calls.append(name)
+        run()  # the variant really runs
+        return self.times[name]
+
+
+@pytest.fixture
+def args(rng):
+    return (jnp.asarray(random_operand(rng, (64, 128), np.float32, specials=False)),
+            jnp.asarray(random_operand(rng, (128,), np.float32, specials=False)))
+
+
+def tuner(tmp_path, times):
+    return tuning.Autotuner(rounds=5, timer=FakeTimer(times), cache=tuning.cache(str(tmp_path)))
+
+
+@pytest.mark.parametrize("faster,fused", [("always", 1), ("xla", 0)])
+def test_measure_picks_the_faster_candidate(tmp_path, args, faster, fused):
+    t = tuner(tmp_path, {"xla": 2.0 if faster == "always" else 1.0, "always": 1.0 if faster == "always" else 2.0,
+                         "auto": 3.0})
+    opt = jaxfuse.optimize(program, policy="measure", autotuner=t)
+    assert fused_count(jax.make_jaxpr(opt)(*args)) == fused
+    assert set(t.timer.calls) == {"xla", "always"}  # auto == xla here: timed once
+    assert t.timer.calls.count("always") == 5
+    (key, choice, medians), = t.log
+    assert choice == faster and medians[faster] == 1.0
+    got, want = opt(*args), jax.jit(program)(*args)
+    if fused:  # the kernel ends a sum XLA would have fused: another reduction order
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    else:
+        assert_bitwise_equal(got, want)
+
+
+def test_decision_is_persisted_and_read_back(tmp_path, args):
+    first = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+    jax.make_jaxpr(jaxfuse.optimize(program, policy="measure", autotuner=first))(*args)
+    (entry,) = tuning.cache(str(tmp_path)).entries()
+    assert entry["choice"] == "always" and entry["key"]["jaxfuse"] == jaxfuse.__version__
+    assert entry["key"]["args"] == ["float32[64, 128]", "float32[128]"]
+    # a new tuner (a new process, say) reads the decision instead of timing
+    second = tuner(tmp_path, {"xla": 1.0, "always": 2.0, "auto": 3.0})
+    opt = jaxfuse.optimize(program, policy="measure", autotuner=second)
+    assert fused_count(jax.make_jaxpr(opt)(*args)) == 1
+    assert second.timer.calls == [] and second.log == []
+
+
+def test_a_decision_from_another_version_is_ignored(tmp_path, args):
+    first = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+    jax.make_jaxpr(jaxfuse.optimize(program, policy="measure", autotuner=first))(*args)
+    (name,) = [n for n in os.listdir(tmp_path) if n.endswith(".json")]
+    path = tmp_path / name
+    entry = json.loads(path.read_text())
+    entry["key"]["jaxfuse"] = "0.0.0-old"  # as written by an older jaxfuse
+    path.write_text(json.dumps(entry))
+    again = tuner(tmp_path, {"xla": 1.0, "always": 2.0, "auto": 3.0})
+    opt = jaxfuse.optimize(program, policy="measure", autotuner=again)
+    assert fused_count(jax.make_jaxpr(opt)(*args)) == 0  # measured anew: xla won
+    assert again.timer.calls and again.log[0][1] == "xla"
+
+
+def test_cache_location_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path / "c"))
+    assert tuning.cache().path == str(tmp_path / "c" / "tuning")
+    monkeypatch.delenv("JAXFUSE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert tuning.cache().path == str(tmp_path / "x" / "jaxfuse" / "tuning")
+
+
+def test_clear_and_entries(tmp_path, args):
+    t = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+    jax.make_jaxpr(jaxfuse.optimize(program, policy="measure", autotuner=t))(*args)
+    c = tuning.cache(str(tmp_path))
+    assert len(c.entries()) == 1
+    assert c.clear() == 1 and c.entries() == []
+
+
+def test_a_program_with_one_candidate_is_not_timed(tmp_path):
+    t = tuner(tmp_path, {"xla": 1.0, "always": 1.0, "auto": 1.0})
+    jax.make_jaxpr(jaxfuse.optimize(lambda x: x * 2.0, policy="measure", autotuner=t))(jnp.ones(3))
+    assert t.timer.calls == [] and t.cache.entries() == []
+
+
+def test_effects_are_not_repeated(tmp_path, args):
+    seen = []
+
+    def noisy(a, b):
+        jax.debug.callback(lambda: seen.append(1))
+        return program(a, b)
+
+    t = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+    jax.block_until_ready(jaxfuse.optimize(noisy, policy="measure", autotuner=t)(*args))
+    jax.effects_barrier()
+    assert t.timer.calls == [] and len(seen) == 1
