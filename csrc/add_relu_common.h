@@ -86,7 +86,7 @@ inline ffi::Error CheckDtypes(ffi::DataType a, ffi::DataType b,
 // and, per operand, element strides over them (0 where it is broadcast). Each
 // operand has the output's rank, or rank 0 (a scalar, read as all-1 dims), and
 // every operand dim equals the output dim or is 1.
-constexpr int kMaxOperands = 5;
+constexpr int kMaxOperands = 6;
 constexpr int kMaxRank = 64;  // the Python layer never fuses a higher rank
 
 struct Collapsed {

@@ -142,7 +142,7 @@ class ScopedFlushDenormal {
 // Block kernels: n contiguous elements of each operand present.
 // ---------------------------------------------------------------------------
 // Operand slots, in the order the handlers receive operands.
-enum Slot { kX = 0, kM = 1, kS = 2, kT = 3, kR = 4, kSlots = 5 };
+enum Slot { kX = 0, kM = 1, kQ = 2, kS = 3, kT = 4, kR = 5, kSlots = 6 };
 
 using BlockFn = void (*)(const void* const* in, void* out, uint8_t* tie,
                          int64_t n);
@@ -161,14 +161,15 @@ JF_INLINE void WideBody(const void* const* in, void* out, uint8_t* tie,
                         int64_t n) {
   const T* __restrict x = static_cast<const T*>(in[kX]);
   const T* __restrict m = static_cast<const T*>(in[kM]);
+  const T* __restrict q = static_cast<const T*>(in[kQ]);
   const T* __restrict s = static_cast<const T*>(in[kS]);
   const T* __restrict t = static_cast<const T*>(in[kT]);
   const T* __restrict r = static_cast<const T*>(in[kR]);
   T* __restrict o = static_cast<T*>(out);
   for (int64_t i = 0; i < n; ++i) {
     T v = preactivation<F>(x[i], F::kMean ? m[i] : T(0),
-                           F::kScale ? s[i] : T(0), t[i],
-                           F::kResidual ? r[i] : T(0));
+                           F::kPrescale ? q[i] : T(0), F::kScale ? s[i] : T(0),
+                           t[i], F::kResidual ? r[i] : T(0));
     o[i] = relu_keep_nan(v);
     if constexpr (Tie) tie[i] = v == T(0);
   }
@@ -179,14 +180,15 @@ JF_INLINE void NarrowScalarBody(const void* const* in, void* out, uint8_t* tie,
                                 int64_t n) {
   const uint16_t* x = static_cast<const uint16_t*>(in[kX]);
   const uint16_t* m = static_cast<const uint16_t*>(in[kM]);
+  const uint16_t* q = static_cast<const uint16_t*>(in[kQ]);
   const uint16_t* s = static_cast<const uint16_t*>(in[kS]);
   const uint16_t* t = static_cast<const uint16_t*>(in[kT]);
   const uint16_t* r = static_cast<const uint16_t*>(in[kR]);
   uint16_t* o = static_cast<uint16_t*>(out);
   for (int64_t i = 0; i < n; ++i) {
     bool z;
-    o[i] = epilogue<F>(Tag{}, x[i], F::kMean ? m[i] : 0, F::kScale ? s[i] : 0,
-                       t[i], F::kResidual ? r[i] : 0, &z);
+    o[i] = epilogue<F>(Tag{}, x[i], F::kMean ? m[i] : 0, F::kPrescale ? q[i] : 0,
+                       F::kScale ? s[i] : 0, t[i], F::kResidual ? r[i] : 0, &z);
     if constexpr (Tie) tie[i] = z;
   }
 }
@@ -271,6 +273,7 @@ JF_AVX2 void NarrowAvx2(const void* const* in, void* out, uint8_t* tie,
                         int64_t n) {
   const uint16_t* x = static_cast<const uint16_t*>(in[kX]);
   const uint16_t* m = static_cast<const uint16_t*>(in[kM]);
+  const uint16_t* q = static_cast<const uint16_t*>(in[kQ]);
   const uint16_t* s = static_cast<const uint16_t*>(in[kS]);
   const uint16_t* t = static_cast<const uint16_t*>(in[kT]);
   const uint16_t* r = static_cast<const uint16_t*>(in[kR]);
@@ -280,6 +283,7 @@ JF_AVX2 void NarrowAvx2(const void* const* in, void* out, uint8_t* tie,
   for (; i + 8 <= n; i += 8) {
     __m256 v = L::Load(x + i);
     if constexpr (F::kMean) v = Rnd<F, L>(_mm256_sub_ps(v, L::Load(m + i)));
+    if constexpr (F::kPrescale) v = Rnd<F, L>(_mm256_mul_ps(v, L::Load(q + i)));
     if constexpr (F::kScale) {
       if constexpr (F::kContract) {
         v = Rnd<F, L>(_mm256_fmadd_ps(v, L::Load(s + i), L::Load(t + i)));
@@ -319,27 +323,31 @@ bool HaveAvx2() {
 }
 #endif  // JF_X86
 
-// ---- the table: dtype x (mean, scale, residual, contract, each-op, tie)
+// ---- the table: dtype x (mean, scale, residual, contract, each-op, tie, prescale)
 enum Dtype { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
-constexpr int kVariants = 64;  // 6 flag bits
+constexpr int kVariants = 128;  // 7 flag bits
 
-constexpr int VariantKey(bool mean, bool scale, bool residual, bool contract,
-                         bool each_op, bool tie) {
+constexpr int VariantKey(bool mean, bool prescale, bool scale, bool residual,
+                         bool contract, bool each_op, bool tie) {
   return (mean ? 1 : 0) | (scale ? 2 : 0) | (residual ? 4 : 0) |
-         (contract ? 8 : 0) | (each_op ? 16 : 0) | (tie ? 32 : 0);
+         (contract ? 8 : 0) | (each_op ? 16 : 0) | (tie ? 32 : 0) |
+         (prescale ? 64 : 0);
 }
 
 template <int K>
-using FormOf = Form<(K & 1) != 0, (K & 2) != 0, (K & 4) != 0, (K & 8) != 0,
-                    (K & 16) != 0>;
+using FormOf = Form<(K & 1) != 0, (K & 64) != 0, (K & 2) != 0, (K & 4) != 0,
+                    (K & 8) != 0, (K & 16) != 0>;
 
-// Keys that name a distinct kernel: a mean needs a scale, contraction only
-// means something with a scale, rounding per operation only for 2-byte types.
+// Keys that name a distinct kernel: a mean or a pre-scale needs a scale,
+// contraction only means something with a scale, rounding per operation only
+// for 2-byte types.
 template <int D, int K>
 constexpr bool Distinct() {
   constexpr bool mean = K & 1, scale = K & 2, contract = K & 8, each_op = K & 16;
+  constexpr bool prescale = K & 64;
   const bool narrow = D == kF16 || D == kBF16;
-  return (!mean || scale) && (!contract || scale) && (narrow || each_op);
+  return (!mean || scale) && (!prescale || scale) && (!contract || scale) &&
+         (narrow || each_op);
 }
 
 template <int D, int K>
@@ -527,7 +535,7 @@ void RunRange(const Call& call, int64_t lo, int64_t hi, Scratch* sc) {
     const int64_t run_end = std::min<int64_t>(L, j + (hi - pos));
     while (j < run_end) {
       const int64_t len = std::min(kBlock, run_end - j);
-      const void* in[kSlots] = {nullptr, nullptr, nullptr, nullptr, nullptr};
+      const void* in[kSlots] = {};
       for (int k = 0; k < c.operands; ++k) {
         const void* p;
         switch (call.kind[k]) {
@@ -738,18 +746,19 @@ ffi::Error AddReluCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer a,
   const ffi::AnyBuffer* ops[2] = {&a, &b};
   const int slots[2] = {kX, kT};
   return Execute(pool, "jaxfuse_add_relu", ops, slots, 2, &*out, nullptr,
-                 VariantKey(false, false, false, false, true, false));
+                 VariantKey(false, false, false, false, false, true, false));
 }
 
-// --- jaxfuse_epilogue: relu(((x - m) * s + t) + r) [, tie] -----------------
+// --- jaxfuse_epilogue: relu((((x - m) * q) * s + t) + r) [, tie] ----------
 ffi::Error EpilogueCpuImpl(ffi::ThreadPool pool, ffi::RemainingArgs args,
-                           ffi::RemainingRets rets, bool mean, bool scale,
-                           bool residual, bool contract, bool narrow_each_op,
-                           bool tie) {
+                           ffi::RemainingRets rets, bool mean, bool prescale,
+                           bool scale, bool residual, bool contract,
+                           bool narrow_each_op, bool tie) {
   const char* op = "jaxfuse_epilogue";
   int slots[kMaxOperands], n = 0;
   slots[n++] = kX;
   if (mean) slots[n++] = kM;
+  if (prescale) slots[n++] = kQ;
   if (scale) slots[n++] = kS;
   slots[n++] = kT;
   if (residual) slots[n++] = kR;
@@ -760,9 +769,9 @@ ffi::Error EpilogueCpuImpl(ffi::ThreadPool pool, ffi::RemainingArgs args,
         std::to_string(tie ? 2 : 1) + " results for these attributes, got " +
         std::to_string(args.size()) + " and " + std::to_string(rets.size()));
   }
-  if (mean && !scale) {
+  if ((mean || prescale) && !scale) {
     return ffi::Error::InvalidArgument(std::string(op) +
-                                       ": a mean needs a scale");
+                                       ": a mean or a pre-scale needs a scale");
   }
   std::vector<ffi::AnyBuffer> bufs;
   bufs.reserve(n);
@@ -784,7 +793,7 @@ ffi::Error EpilogueCpuImpl(ffi::ThreadPool pool, ffi::RemainingArgs args,
   }
   return Execute(pool, op, ops, slots, n, &out_buf,
                  tie ? &tie_buf[0] : nullptr,
-                 VariantKey(mean, scale, residual, contract && scale,
+                 VariantKey(mean, prescale, scale, residual, contract && scale,
                             narrow_each_op, false));
 }
 
@@ -804,6 +813,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EpilogueCpu, jaxfuse::EpilogueCpuImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<bool>("mean")
+                                  .Attr<bool>("prescale")
                                   .Attr<bool>("scale")
                                   .Attr<bool>("residual")
                                   .Attr<bool>("contract")

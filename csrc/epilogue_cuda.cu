@@ -1,5 +1,5 @@
 // jaxfuse: XLA FFI CUDA handler for `jaxfuse_epilogue`,
-// relu(((x - m) * s + t) + r) with an optional tie mask (v == 0).
+// relu((((x - m) * q) * s + t) + r) with an optional tie mask (v == 0).
 //
 // Semantics: epilogue_scalar.h, the same scalar code as the CPU engine; the
 // platform's rounding rules (contract, narrow_each_op) arrive as attributes.
@@ -28,7 +28,7 @@ constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 8192;  // grid-stride beyond that
 constexpr int kMaxDeviceRank = 24;    // collapsed dims of the strided walk
 
-enum Slot { kX = 0, kM = 1, kS = 2, kT = 3, kR = 4, kSlots = 5 };
+enum Slot { kX = 0, kM = 1, kQ = 2, kS = 3, kT = 4, kR = 5, kSlots = 6 };
 
 struct Operand {
   const void* p;
@@ -42,7 +42,7 @@ struct Params {
   int rank;
   int64_t dims[kMaxDeviceRank];
   int64_t strides[kSlots][kMaxDeviceRank];
-  int flags;          // bit 0 mean, 1 scale, 2 residual, 3 contract, 4 each-op
+  int flags;  // bit 0 mean, 1 scale, 2 residual, 3 contract, 4 prescale, 5 each-op
   int64_t total;
 };
 
@@ -70,28 +70,33 @@ __device__ __forceinline__ S Get(const Params& p, int k, int64_t i) {
 
 // The form is uniform over the grid, so this switch costs no divergence.
 template <class F, class S, class Tag>
-__device__ __forceinline__ S One(Tag tag, S x, S m, S s, S t, S r, bool* z) {
+__device__ __forceinline__ S One(Tag tag, S x, S m, S q, S s, S t, S r,
+                                 bool* z) {
   if constexpr (sizeof(S) == 2) {
-    return epilogue<F>(tag, x, m, s, t, r, z);
+    return epilogue<F>(tag, x, m, q, s, t, r, z);
   } else {
-    return epilogue<F>(x, m, s, t, r, z);
+    return epilogue<F>(x, m, q, s, t, r, z);
   }
 }
 
+// Every valid form: without a scale there is no mean, pre-scale or
+// contraction (keys 0 and 4); with one, any of them.
 template <bool EachOp, class S, class Tag>
-__device__ __forceinline__ S Apply(int flags, Tag tag, S x, S m, S s, S t,
-                                   S r, bool* z) {
-  switch (flags & 15) {
-#define JF_CASE(K)                                                      \
-  case K:                                                               \
-    return One<Form<(K & 1) != 0, (K & 2) != 0, (K & 4) != 0,           \
-                    (K & 8) != 0, EachOp>>(tag, x, m, s, t, r, z);
-    JF_CASE(0) JF_CASE(2) JF_CASE(3) JF_CASE(4) JF_CASE(6) JF_CASE(7)
-    JF_CASE(10) JF_CASE(11) JF_CASE(14) JF_CASE(15)
+__device__ __forceinline__ S Apply(int flags, Tag tag, S x, S m, S q, S s,
+                                   S t, S r, bool* z) {
+  switch (flags & 31) {
+#define JF_CASE(K)                                                          \
+  case K:                                                                   \
+    return One<Form<(K & 1) != 0, (K & 16) != 0, (K & 2) != 0,              \
+                    (K & 4) != 0, (K & 8) != 0, EachOp>>(tag, x, m, q, s, t, \
+                                                         r, z);
+    JF_CASE(0) JF_CASE(4) JF_CASE(2) JF_CASE(3) JF_CASE(6) JF_CASE(7)
+    JF_CASE(10) JF_CASE(11) JF_CASE(14) JF_CASE(15) JF_CASE(18) JF_CASE(19)
+    JF_CASE(22) JF_CASE(23) JF_CASE(26) JF_CASE(27) JF_CASE(30) JF_CASE(31)
 #undef JF_CASE
     default:
-      return One<Form<false, false, false, false, EachOp>>(tag, x, m, s, t, r,
-                                                           z);
+      return One<Form<false, false, false, false, false, EachOp>>(
+          tag, x, m, q, s, t, r, z);
   }
 }
 
@@ -101,14 +106,14 @@ template <class S, class Tag>
 __global__ void EpilogueKernel(Params p, S* __restrict__ out,
                                bool* __restrict__ tie) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const bool each_op = (p.flags & 16) != 0;
+  const bool each_op = (p.flags & 32) != 0;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.total;
        i += stride) {
-    S x = Get<S>(p, kX, i), m = Get<S>(p, kM, i), s = Get<S>(p, kS, i);
-    S t = Get<S>(p, kT, i), r = Get<S>(p, kR, i);
+    S x = Get<S>(p, kX, i), m = Get<S>(p, kM, i), q = Get<S>(p, kQ, i);
+    S s = Get<S>(p, kS, i), t = Get<S>(p, kT, i), r = Get<S>(p, kR, i);
     bool z;
-    out[i] = each_op ? Apply<true>(p.flags, Tag{}, x, m, s, t, r, &z)
-                     : Apply<false>(p.flags, Tag{}, x, m, s, t, r, &z);
+    out[i] = each_op ? Apply<true>(p.flags, Tag{}, x, m, q, s, t, r, &z)
+                     : Apply<false>(p.flags, Tag{}, x, m, q, s, t, r, &z);
     if (tie != nullptr) tie[i] = z;
   }
 }
@@ -146,18 +151,20 @@ bool DivMod(const Collapsed& c, int k, int64_t* div, int64_t* mod) {
 }
 
 ffi::Error EpilogueCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
-                            ffi::RemainingRets rets, bool mean, bool scale,
-                            bool residual, bool contract, bool narrow_each_op,
-                            bool tie) {
+                            ffi::RemainingRets rets, bool mean, bool prescale,
+                            bool scale, bool residual, bool contract,
+                            bool narrow_each_op, bool tie) {
   const char* op = "jaxfuse_epilogue (CUDA)";
   int slots[kMaxOperands], n = 0;
   slots[n++] = kX;
   if (mean) slots[n++] = kM;
+  if (prescale) slots[n++] = kQ;
   if (scale) slots[n++] = kS;
   slots[n++] = kT;
   if (residual) slots[n++] = kR;
   if (args.size() != static_cast<size_t>(n) ||
-      rets.size() != static_cast<size_t>(tie ? 2 : 1) || (mean && !scale)) {
+      rets.size() != static_cast<size_t>(tie ? 2 : 1) ||
+      ((mean || prescale) && !scale)) {
     return ffi::Error::InvalidArgument(
         std::string(op) + ": operands and results do not match the attributes");
   }
@@ -203,7 +210,8 @@ ffi::Error EpilogueCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
   Params p{};
   p.total = c.total;
   p.flags = (mean ? 1 : 0) | (scale ? 2 : 0) | (residual ? 4 : 0) |
-            (contract ? 8 : 0) | (narrow_each_op ? 16 : 0);
+            (contract && scale ? 8 : 0) | (prescale ? 16 : 0) |
+            (narrow_each_op ? 32 : 0);
   p.strided = false;
   for (int k = 0; k < n; ++k) {
     const int slot = slots[k];
@@ -264,6 +272,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .RemainingArgs()
         .RemainingRets()
         .Attr<bool>("mean")
+        .Attr<bool>("prescale")
         .Attr<bool>("scale")
         .Attr<bool>("residual")
         .Attr<bool>("contract")

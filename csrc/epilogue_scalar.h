@@ -1,6 +1,8 @@
 // jaxfuse: the one scalar definition of every fused epilogue.
 //
-//   v   = ((x - m) * s + t) + r        (m, s, r optional; add_relu is x + t)
+//   v   = (((x - m) * q) * s + t) + r  (m, q, s, r optional; add_relu is x + t;
+//                                       q: a normalization's 1/sigma before the
+//                                       affine scale, as stax and equinox write it)
 //   out = max(v, 0)                    (NaN kept, -0 -> +0; add_relu_scalar.h)
 //   tie = (v == 0)                     (optional second output, for gradients)
 //
@@ -33,17 +35,18 @@
 namespace jaxfuse {
 
 // The terms a fused epilogue has, and how the platform rounds it.
-template <bool Mean, bool Scale, bool Residual, bool Contract,
+template <bool Mean, bool Prescale, bool Scale, bool Residual, bool Contract,
           bool NarrowEachOp = true>
 struct Form {
   static constexpr bool kMean = Mean;
+  static constexpr bool kPrescale = Prescale;
   static constexpr bool kScale = Scale;
   static constexpr bool kResidual = Residual;
   static constexpr bool kContract = Contract;
   static constexpr bool kNarrowEachOp = NarrowEachOp;
 };
 
-using AddForm = Form<false, false, false, false>;  // add_relu: x + t
+using AddForm = Form<false, false, false, false, false>;  // add_relu: x + t
 
 JF_HD float fma_any(float a, float b, float c) {
 #if JF_DEVICE_CODE
@@ -63,9 +66,10 @@ JF_HD double fma_any(double a, double b, double c) {
 // The pre-activation v in a wide type (float, double). Absent operands are
 // ignored. add_xla keeps add_relu's "first operand's NaN" rule.
 template <class F, class T>
-JF_HD T preactivation(T x, T m, T s, T t, T r) {
+JF_HD T preactivation(T x, T m, T q, T s, T t, T r) {
   T v = x;
   if constexpr (F::kMean) v = v - m;
+  if constexpr (F::kPrescale) v = v * q;  // a product into a product: never contracted
   if constexpr (F::kScale) {
     if constexpr (F::kContract) {
       v = fma_any(v, s, t);
@@ -91,13 +95,14 @@ JF_HD float widen(BF16Tag, uint16_t h) { return bf16_to_f32(h); }
 // The pre-activation of narrow operands (already widened to f32), rounded to
 // the narrow precision after each operation or, without kNarrowEachOp, once.
 template <class F, class Tag>
-JF_HD float preactivation_narrow(Tag tag, float x, float m, float s, float t,
-                                 float r) {
+JF_HD float preactivation_narrow(Tag tag, float x, float m, float q, float s,
+                                 float t, float r) {
   auto rnd = [tag](float v) {
     return F::kNarrowEachOp ? round_to(tag, v) : v;
   };
   float v = x;
   if constexpr (F::kMean) v = rnd(v - m);
+  if constexpr (F::kPrescale) v = rnd(v * q);
   if constexpr (F::kScale) {
     if constexpr (F::kContract) {
       v = rnd(fma_any(v, s, t));
@@ -114,24 +119,25 @@ JF_HD float preactivation_narrow(Tag tag, float x, float m, float s, float t,
 
 // One element, every storage type: the output, and v == 0 for the tie mask.
 template <class F>
-JF_HD float epilogue(float x, float m, float s, float t, float r, bool* tie) {
-  float v = preactivation<F>(x, m, s, t, r);
+JF_HD float epilogue(float x, float m, float q, float s, float t, float r,
+                     bool* tie) {
+  float v = preactivation<F>(x, m, q, s, t, r);
   *tie = v == 0.0f;
   return relu_keep_nan(v);
 }
 template <class F>
-JF_HD double epilogue(double x, double m, double s, double t, double r,
-                      bool* tie) {
-  double v = preactivation<F>(x, m, s, t, r);
+JF_HD double epilogue(double x, double m, double q, double s, double t,
+                      double r, bool* tie) {
+  double v = preactivation<F>(x, m, q, s, t, r);
   *tie = v == 0.0;
   return relu_keep_nan(v);
 }
 template <class F, class Tag>
-JF_HD uint16_t epilogue(Tag tag, uint16_t x, uint16_t m, uint16_t s,
-                        uint16_t t, uint16_t r, bool* tie) {
+JF_HD uint16_t epilogue(Tag tag, uint16_t x, uint16_t m, uint16_t q,
+                        uint16_t s, uint16_t t, uint16_t r, bool* tie) {
   float v = preactivation_narrow<F>(tag, widen(tag, x), widen(tag, m),
-                                    widen(tag, s), widen(tag, t),
-                                    widen(tag, r));
+                                    widen(tag, q), widen(tag, s),
+                                    widen(tag, t), widen(tag, r));
   *tie = v == 0.0f;
   // max in f32, then narrow: v is already representable, so this is the
   // narrow max (see add_relu in add_relu_scalar.h for why the order is free).

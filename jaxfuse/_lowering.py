@@ -108,10 +108,11 @@ def _add_relu_attrs(ctx, platform, *, grad_at_zero, cost=None):
     return ()  # grad_at_zero only matters to the JVP
 
 
-def _epilogue_attrs(ctx, platform, *, mean, scale, residual, tie, grad_at_zero, cost=None):
+def _epilogue_attrs(ctx, platform, *, mean, scale, residual, tie, grad_at_zero, prescale=False,
+                    cost=None):
     r = _numerics.rounding(platform, ctx.avals_in[0].dtype)
-    return (("mean", mean), ("scale", scale), ("residual", residual), ("contract", r.contract),
-            ("narrow_each_op", r.narrow_each_op), ("tie", tie))
+    return (("mean", mean), ("prescale", prescale), ("scale", scale), ("residual", residual),
+            ("contract", r.contract and scale), ("narrow_each_op", r.narrow_each_op), ("tie", tie))
 
 
 def _default(reference):

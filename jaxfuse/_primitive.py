@@ -4,11 +4,14 @@ Lowerings live in `_lowering.py`; this module knows nothing about platforms.
 
 `add_relu_p.bind(a, b, grad_at_zero=g)` is `max(a + b, 0)`.
 
-`epilogue_p.bind(x, [mean], [scale], shift, [residual], mean=, scale=,
-residual=, tie=, grad_at_zero=g)` returns `[max(v, 0)]`, plus `[v == 0]` when
-`tie`, for `v = ((x - mean) * scale + shift) + residual` (the bracketed terms
-present when their flag is set; a mean needs a scale). The tie mask is what a
-gradient's tie rule needs and cannot recover from the output alone.
+`epilogue_p.bind(x, [mean], [prescale], [scale], shift, [residual], mean=,
+prescale=, scale=, residual=, tie=, grad_at_zero=g)` returns `[max(v, 0)]`,
+plus `[v == 0]` when `tie`, for
+`v = (((x - mean) * prescale) * scale + shift) + residual` (the bracketed terms
+present when their flag is set; a mean or a prescale needs a scale; the
+prescale is a normalization's `1/sigma` where a library multiplies it before
+the affine scale, as stax and equinox do). The tie mask is what a gradient's
+tie rule needs and cannot recover from the output alone.
 
 Shared contract:
   * all operands share one served dtype;
@@ -102,12 +105,13 @@ def _check_grad_at_zero(g) -> float:
     return float(g)
 
 
-def epilogue_labels(*, mean: bool, scale: bool, residual: bool) -> tuple[str, ...]:
+def epilogue_labels(*, mean: bool, scale: bool, residual: bool,
+                    prescale: bool = False) -> tuple[str, ...]:
     """Operand names, in the order `epilogue_p` takes them."""
-    if mean and not scale:
-        raise ValueError("jaxfuse epilogue: a mean needs a scale")
-    return ("x", *(("mean",) if mean else ()), *(("scale",) if scale else ()), "shift",
-            *(("residual",) if residual else ()))
+    if (mean or prescale) and not scale:
+        raise ValueError("jaxfuse epilogue: a mean or a prescale needs a scale")
+    return ("x", *(("mean",) if mean else ()), *(("prescale",) if prescale else ()),
+            *(("scale",) if scale else ()), "shift", *(("residual",) if residual else ()))
 
 
 def _aval_out(avals):
@@ -126,8 +130,9 @@ def _add_relu_abstract_eval(a, b, *, grad_at_zero, cost=None):
     return _aval_out([a, b])
 
 
-def _epilogue_abstract_eval(*avals, mean, scale, residual, tie, grad_at_zero, cost=None):
-    labels = epilogue_labels(mean=mean, scale=scale, residual=residual)
+def _epilogue_abstract_eval(*avals, mean, scale, residual, tie, grad_at_zero, prescale=False,
+                            cost=None):
+    labels = epilogue_labels(mean=mean, prescale=prescale, scale=scale, residual=residual)
     if len(avals) != len(labels):
         raise TypeError(f"jaxfuse epilogue: expected operands {labels}, got {len(avals)}")
     check_broadcast("jaxfuse epilogue", [(n, a.shape, a.dtype) for n, a in zip(labels, avals)])
@@ -146,13 +151,15 @@ epilogue_p.def_impl(functools.partial(C.apply_primitive, epilogue_p))
 
 
 # ------------------------------------------------------------------ references
-def preactivation(*operands, mean: bool, scale: bool, residual: bool):
+def preactivation(*operands, mean: bool, scale: bool, residual: bool, prescale: bool = False):
     """`v`, written with lax ops in the order the kernel computes it."""
-    names = epilogue_labels(mean=mean, scale=scale, residual=residual)
+    names = epilogue_labels(mean=mean, prescale=prescale, scale=scale, residual=residual)
     ops = dict(zip(names, operands))
     v = ops["x"]
     if mean:
         v = lax.sub(v, ops["mean"])
+    if prescale:
+        v = lax.mul(v, ops["prescale"])
     if scale:
         v = lax.mul(v, ops["scale"])
     v = lax.add(v, ops["shift"])
@@ -166,9 +173,10 @@ def add_relu_reference(a, b):
     return lax.max(lax.add(a, b), lax.full((), 0, a.dtype))
 
 
-def epilogue_reference(*operands, mean, scale, residual, tie, grad_at_zero=None, cost=None):
+def epilogue_reference(*operands, mean, scale, residual, tie, grad_at_zero=None, prescale=False,
+                       cost=None):
     """The unfused definition of `epilogue_p` (XLA fuses and rounds it its own way)."""
-    v = preactivation(*operands, mean=mean, scale=scale, residual=residual)
+    v = preactivation(*operands, mean=mean, prescale=prescale, scale=scale, residual=residual)
     zero = lax.full((), 0, v.dtype)
     out = lax.max(v, zero)
     return [out, lax.eq(v, zero)] if tie else [out]
@@ -225,10 +233,11 @@ def _add_relu_jvp(primals, tangents, *, grad_at_zero, **params):
     return out, _relu_tangent(t, out, grad_at_zero, y=y)
 
 
-def _epilogue_jvp(primals, tangents, *, mean, scale, residual, tie, grad_at_zero, **params):
+def _epilogue_jvp(primals, tangents, *, mean, scale, residual, tie, grad_at_zero,
+                  prescale=False, **params):
     need_tie = tie or grad_at_zero != RELU_GRAD_AT_ZERO
-    outs = epilogue_p.bind(*primals, mean=mean, scale=scale, residual=residual,
-                           tie=need_tie, grad_at_zero=grad_at_zero, **params)
+    outs = epilogue_p.bind(*primals, mean=mean, prescale=prescale, scale=scale,
+                           residual=residual, tie=need_tie, grad_at_zero=grad_at_zero, **params)
     out = outs[0]
     primal_out = outs if tie else outs[:1]
     zeros = [_zero_tangent(o) for o in primal_out]
@@ -243,7 +252,7 @@ def _epilogue_jvp(primals, tangents, *, mean, scale, residual, tie, grad_at_zero
         full = list(primals)
         for i, p in zip(live, live_primals):
             full[i] = p
-        return preactivation(*full, mean=mean, scale=scale, residual=residual)
+        return preactivation(*full, mean=mean, prescale=prescale, scale=scale, residual=residual)
 
     _, dv = jax.jvp(v_of_live, [primals[i] for i in live], [tangents[i] for i in live])
     t_out = _relu_tangent(_broadcast_tangent(dv, out), out, grad_at_zero,
@@ -328,11 +337,12 @@ def add_relu(a, b, *, grad_at_zero: float = RELU_GRAD_AT_ZERO):
     return add_relu_p.bind(a, b, grad_at_zero=grad_at_zero)
 
 
-def scale_shift_relu(x, scale, shift, *, mean=None, residual=None,
+def scale_shift_relu(x, scale, shift, *, mean=None, prescale=None, residual=None,
                      grad_at_zero: float = RELU_GRAD_AT_ZERO):
-    """`max((x - mean) * scale + shift + residual, 0)` as one fused kernel.
+    """`max(((x - mean) * prescale) * scale + shift + residual, 0)` as one kernel.
 
-    `mean` and `residual` are optional. Operands broadcast numpy-style (a
+    `mean`, `prescale` (a normalization's 1/sigma multiplied before the affine
+    scale) and `residual` are optional. Operands broadcast numpy-style (a
     per-channel scale along any axis, a scalar, a full-size residual) and are
     read in place. Values are those of the same expression written with `jnp`
     and compiled by XLA on the same platform, bit for bit: the kernel rounds as
@@ -340,8 +350,10 @@ def scale_shift_relu(x, scale, shift, *, mean=None, residual=None,
     operation rounded to float16/bfloat16). `grad_at_zero` as in `add_relu`.
     """
     grad_at_zero = _check_grad_at_zero(grad_at_zero)
-    flags = dict(mean=mean is not None, scale=True, residual=residual is not None)
-    named = {"x": x, "mean": mean, "scale": scale, "shift": shift, "residual": residual}
+    flags = dict(mean=mean is not None, prescale=prescale is not None, scale=True,
+                 residual=residual is not None)
+    named = {"x": x, "mean": mean, "prescale": prescale, "scale": scale, "shift": shift,
+             "residual": residual}
     labels = epilogue_labels(**flags)
     ops = _promote("jaxfuse.scale_shift_relu", *(named[n] for n in labels))
     check_broadcast("jaxfuse.scale_shift_relu",

@@ -37,17 +37,20 @@ SHAPES = [
     ((0, 4), (4,), (0, 4)),
     (((1 << 18) + 3,), ((1 << 18) + 3,), ((1 << 18) + 3,)),
 ]
-FORMS = [dict(mean=m, residual=r) for m, r in itertools.product([False, True], repeat=2)]
-FORM_IDS = ["x*s+t", "x*s+t+r", "(x-m)*s+t", "(x-m)*s+t+r"]
+FORMS = [dict(mean=m, residual=r, prescale=False) for m, r in itertools.product([False, True], repeat=2)]
+FORMS += [dict(mean=True, residual=r, prescale=True) for r in (False, True)]
+FORM_IDS = ["x*s+t", "x*s+t+r", "(x-m)*s+t", "(x-m)*s+t+r", "((x-m)*q)*s+t", "((x-m)*q)*s+t+r"]
 
 
 def x64(dtype):
     return jax.enable_x64(True) if np.dtype(dtype) == np.float64 else contextlib.nullcontext()
 
 
-def spelled(x, s, t, m=None, r=None):
+def spelled(x, s, t, m=None, r=None, q=None):
     """How a user writes it: XLA fuses this program its own way."""
     v = x if m is None else x - m
+    if q is not None:
+        v = v * q  # stax / equinox: gamma * ((x - mean) * rsqrt(var)) + beta
     v = v * s + t
     if r is not None:
         v = v + r
@@ -59,7 +62,8 @@ def operands(rng, shapes, dtype, form):
     x, s, t = (random_operand(rng, sh, dtype) for sh in (xs, vs, vs))
     m = random_operand(rng, vs, dtype) if form["mean"] else None
     r = random_operand(rng, rs, dtype) if form["residual"] else None
-    return x, s, t, m, r
+    q = random_operand(rng, vs, dtype) if form.get("prescale") else None
+    return x, s, t, m, r, q
 
 
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
@@ -67,16 +71,17 @@ def operands(rng, shapes, dtype, form):
 @pytest.mark.parametrize("shapes", SHAPES, ids=lambda s: "x".join(map(str, s[0])) + "/" + "x".join(map(str, s[1])))
 def test_values_bitwise_equal_xla(rng, shapes, dtype, form):
     with x64(dtype):
-        x, s, t, m, r = operands(rng, shapes, dtype, form)
-        got = jax.jit(lambda x, s, t, m, r: jaxfuse.scale_shift_relu(x, s, t, mean=m, residual=r))(x, s, t, m, r)
-        want = jax.jit(spelled)(x, s, t, m, r)
+        x, s, t, m, r, q = operands(rng, shapes, dtype, form)
+        got = jax.jit(lambda x, s, t, m, r, q: jaxfuse.scale_shift_relu(
+            x, s, t, mean=m, residual=r, prescale=q))(x, s, t, m, r, q)
+        want = jax.jit(spelled)(x, s, t, m, r, q)
         assert_bitwise_equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_tie_mask_is_v_equal_zero(rng, dtype):
     with x64(dtype):
-        x, s, t, m, r = operands(rng, ((6, 40), (1, 40), (6, 40)), dtype, dict(mean=True, residual=True))
+        x, s, t, m, r, _ = operands(rng, ((6, 40), (1, 40), (6, 40)), dtype, dict(mean=True, residual=True))
         with np.errstate(invalid="ignore"):  # inf - inf in the sprinkled specials
             r[::2] = -(((x[::2].astype(np.float64) - m) * s + t)).astype(dtype)  # many exact zeros
         params = dict(mean=True, scale=True, residual=True, tie=True, grad_at_zero=0.0)

@@ -23,12 +23,16 @@ FORMS = {
     "x*s+t": (dict(mean=False, residual=False), lambda x, m, s, t, r: x * s + t),
     "(x-m)*s+t": (dict(mean=True, residual=False), lambda x, m, s, t, r: (x - m) * s + t),
     "x*s+t+r": (dict(mean=False, residual=True), lambda x, m, s, t, r: x * s + t + r),
+    # stax/equinox BatchNorm: the rescale's product is rounded, then contracted with beta
+    "((x-m)*q)*s+t": (dict(mean=True, residual=False, prescale=True),
+                      lambda x, m, s, t, r: ((x - m) * r) * s + t),
 }
 
 
 def _kernel(dtype, form, contract, narrow_each_op):
-    attrs = (("mean", form["mean"]), ("scale", True), ("residual", form["residual"]),
-             ("contract", contract), ("narrow_each_op", narrow_each_op), ("tie", False))
+    attrs = (("mean", form["mean"]), ("prescale", form.get("prescale", False)), ("scale", True),
+             ("residual", form["residual"]), ("contract", contract),
+             ("narrow_each_op", narrow_each_op), ("tie", False))
     return jax.jit(local_call(_kernels.EPILOGUE_TARGET, 1, attrs))
 
 
@@ -40,7 +44,10 @@ def test_recorded_cpu_rule_is_the_one_xla_uses(rng, dtype, form):
     with ctx:
         shape = (64, 64)
         x, m, s, t, r = (jnp.asarray(rng.standard_normal(shape) * 3, dtype) for _ in range(5))
-        operands = [x, *([m] if flags["mean"] else []), s, t, *([r] if flags["residual"] else [])]
+        if flags.get("prescale"):  # r plays q here (the lambda's last argument)
+            operands = [x, m, r, s, t]
+        else:
+            operands = [x, *([m] if flags["mean"] else []), s, t, *([r] if flags["residual"] else [])]
         want = jax.jit(lambda *a: jnp.maximum(spelled(*a), 0))(x, m, s, t, r)
         rule = _numerics.rounding("cpu", dtype)
         got = _kernel(dtype, flags, rule.contract, rule.narrow_each_op)(*operands)

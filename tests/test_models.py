@@ -21,6 +21,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+import jaxfuse
+
 from rewrite_support import assert_trees, explain_all, fuse
 
 optax = pytest.importorskip("optax", reason="needs the `models` extra (optax)")
@@ -238,7 +240,7 @@ def test_auto_policy_step_matches_jit_bit_for_bit(model):
     step = make_step(apply)
     opt_state = OPT.init(params)
     want = jax.jit(step)(params, opt_state, x, y)
-    got = jax.jit(__import__("jaxfuse").optimize(step))(params, opt_state, x, y)
+    got = jax.jit(jaxfuse.optimize(step))(params, opt_state, x, y)
     assert_trees(got, want, exact=exact or name == "eqx_convnet")
 
 
@@ -250,3 +252,29 @@ def test_pre_activations_hit_exact_zeros():
     dense = params["params"]["Dense_0"]
     pre = x @ dense["kernel"] + dense["bias"]
     assert int(jnp.sum(pre == 0)) > 0
+
+
+def test_haiku_resnet50_eval_every_bn_and_residual_relu_is_one_kernel_call():
+    hk = pytest.importorskip("haiku", reason="needs dm-haiku")
+    net = hk.transform_with_state(lambda x, training: hk.nets.ResNet50(10)(x, is_training=training))
+    # ImageNet size (traced only, never run): at the last stage a per-channel
+    # vector is 1/49 of the feature map, small enough not to matter.
+    x = jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32)
+    params, state = jax.eval_shape(lambda: net.init(jax.random.key(0), jnp.zeros(x.shape), True))
+    apply = lambda p, s, x: net.apply(p, s, None, x, False)[0]  # noqa: E731  (eval mode)
+    report = explain_all(apply, params, state, x)
+    assert not report.rejected, str(report)
+    patterns = [s.pattern for s in report.fused]
+    # BatchNorm with moving averages: (x - mean) * (scale * rsqrt(var)) + offset,
+    # the convolutions without bias: the stem, 16 bottlenecks x (2 + the sum).
+    assert len(patterns) == 49
+    assert patterns.count("bn_relu") == 33 and patterns.count("bn_residual_relu") == 16
+    # What the cost model leaves to XLA (on a platform without size rules, so
+    # the structure alone decides): the 4 sums whose shortcut is a projection
+    # (its own BatchNorm, a full-size add XLA fuses into the sum), and the last
+    # block, which only the global average pool reads.
+    auto = jaxfuse.explain(apply, params, state, x, platform="tpu")
+    declined = auto.declined_for_cost
+    assert len(auto.fused) == 44 and len(declined) == 5, str(auto)
+    assert sum("operand 5 comes from a `add`" in s.reason for s in declined) == 4
+    assert "only read by ops XLA fuses into the same loop (`reduce_sum`)" in declined[-1].reason

@@ -64,8 +64,10 @@ def test_every_eligible_site_fuses():
     by_pattern = {}
     for s in report.fused:
         by_pattern.setdefault(s.pattern, []).append(s.shapes)
-    assert by_pattern["scale_shift_relu"] == [((1, 1, 1, 4), (2, 8, 8, 4), (1, 1, 1, 4))] * 3
-    assert by_pattern["bias_residual_relu"] == [((), (2, 8, 8, 4), (2, 8, 8, 4))] * 2
+    # stax's BatchNorm is gamma * ((x - mean) * rsqrt(var + eps)) + beta
+    assert by_pattern["norm_relu"] == [((2, 8, 8, 4),) + ((1, 1, 1, 4),) * 4] * 3
+    assert by_pattern["norm_residual_relu"] == [((2, 8, 8, 4),) + ((1, 1, 1, 4),) * 4
+                                                + ((2, 8, 8, 4),)] * 2
     assert by_pattern["add_relu"] == [((2, 16), (1, 16))]
 
 
@@ -84,3 +86,60 @@ def test_forward_and_gradients_match_unoptimized():
     # mask -- so the optimize-inside program is the original one.)
     assert_trees(got_outside, want, exact=False)
     assert_trees(got_inside, want, exact=False)
+
+
+# ----------------------------------------------------------------- ResNet-50
+def _conv_block(ks, filters, strides=(2, 2)):
+    f1, f2, f3 = filters
+    main = stax.serial(Conv(f1, (1, 1), strides), BatchNorm(), Relu,
+                       Conv(f2, (ks, ks), padding="SAME"), BatchNorm(), Relu,
+                       Conv(f3, (1, 1)), BatchNorm())
+    shortcut = stax.serial(Conv(f3, (1, 1), strides), BatchNorm())
+    return stax.serial(FanOut(2), stax.parallel(main, shortcut), FanInSum, Relu)
+
+
+def _identity_block(ks, filters):
+    f1, f2 = filters
+
+    def make_main(input_shape):
+        return stax.serial(Conv(f1, (1, 1)), BatchNorm(), Relu,
+                           Conv(f2, (ks, ks), padding="SAME"), BatchNorm(), Relu,
+                           Conv(input_shape[3], (1, 1)), BatchNorm())
+
+    return stax.serial(FanOut(2), stax.parallel(stax.shape_dependent(make_main), Identity),
+                       FanInSum, Relu)
+
+
+def resnet50(classes=10):
+    """The standard stax ResNet-50 (as in jax's examples), NHWC."""
+    stages = [([64, 64, 256], (1, 1), 2), ([128, 128, 512], (2, 2), 3),
+              ([256, 256, 1024], (2, 2), 5), ([512, 512, 2048], (2, 2), 2)]
+    layers = [Conv(64, (7, 7), (2, 2), "SAME"), BatchNorm(), Relu,
+              stax.MaxPool((3, 3), strides=(2, 2))]
+    for filters, strides, identities in stages:
+        layers.append(_conv_block(3, filters, strides))
+        layers += [_identity_block(3, filters[:2]) for _ in range(identities)]
+    layers += [stax.GlobalAvgPool if hasattr(stax, "GlobalAvgPool") else AvgPool((1, 1)), Flatten,
+               Dense(classes)]
+    return stax.serial(*layers)
+
+
+def test_resnet50_every_bn_and_residual_relu_is_one_kernel_call():
+    init, apply = resnet50()
+    _, params = init(jax.random.PRNGKey(0), (2, 32, 32, 3))
+    x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
+    report = explain_all(apply, params, x)
+    assert not report.rejected, str(report)
+    # 1 stem + 16 blocks x (2 BN->ReLU + 1 residual sum->ReLU)
+    assert len(report.fused) == 49
+    patterns = [s.pattern for s in report.fused]
+    # stax's BatchNorm is gamma * ((x - mean) * rsqrt(var)) + beta: all of it in the kernel;
+    # the residual (0 + main) + shortcut with the main path's last BatchNorm inside it.
+    assert patterns.count("norm_relu") == 33 and patterns.count("norm_residual_relu") == 16
+    # stax's Conv has a bias, added before the BatchNorm: that add is the one
+    # full-size elementwise op left outside each kernel, and XLA would fuse it
+    # into the BatchNorm's loop, so policy="auto" leaves these sites to XLA
+    # (on a platform without size rules, so the structure alone decides).
+    auto = jaxfuse.explain(apply, params, x, platform="tpu")
+    assert len(auto.declined_for_cost) == 49
+    assert all(s.reason.startswith("operand 1 comes from a `add`") for s in auto), str(auto)

@@ -77,7 +77,8 @@ class SiteFacts:
     elements: int
     dtype: str
     producers: tuple
-    """Per operand: "input", "dot", "conv", "conv-nchw", "fused", "small" or "other"."""
+    """Per operand: "input", "dot", "conv", "conv-nchw", "fused", "materialized" (a
+    fusible op's result that another reader keeps in memory), "small" or "other"."""
     consumers: tuple
     """Kinds of readers that keep the result in memory anyway ("output", "dot", ...)."""
 
@@ -165,8 +166,11 @@ class CostModel:
         n_out = max(_size(out), 1)
         itemsize = np.dtype(out.aval.dtype).itemsize
         producers = []
+        inside = {id(e) for e in m.eqns}
         for k, a in enumerate(m.operands):
             cls, prim = producer_class(a, graph, context)
+            if cls == "fusible" and C.is_var(a) and materializing_readers(a, graph, context, inside):
+                cls = "materialized"  # another reader keeps it in memory in XLA's program too
             if cls == "fusible":
                 if _size(a) * _SMALL > n_out:
                     return (f"operand {k + 1} comes from a `{prim}` that XLA fuses into the "
@@ -174,7 +178,6 @@ class CostModel:
                             f"back (+{_mib(2 * _size(a) * itemsize)})"), None
                 cls = "small"
             producers.append(cls)
-        inside = {id(e) for e in m.eqns}
         readers = materializing_readers(out, graph, context, skip=inside)
         if not readers:
             users = sorted({e.primitive.name for e in graph.users(out) if id(e) not in inside})

@@ -138,6 +138,28 @@ class Custom(Node):
             yield from self.child.match(inner, graph, s)
 
 
+@dataclasses.dataclass(frozen=True)
+class ZeroPlus(Node):
+    """`child`, or `0 + child` with the add absorbed (Python's `sum([a, b])` is
+    `(0 + a) + b`). Only for a term summed under the ReLU: there `0 + a` and
+    `a` differ at most in the sign of a zero, which the ReLU maps to +0 (and
+    which its derivative masks cannot tell apart either)."""
+
+    child: Node
+
+    def match(self, atom, graph, state):
+        yield from self.child.match(atom, graph, state)
+        eqn = graph.producer(atom)
+        if eqn is None or eqn.primitive.name != "add" or len(eqn.invars) != 2:
+            return
+        for zero, other in (eqn.invars, reversed(eqn.invars)):
+            value = graph.const_value(zero)
+            if value is not None and value.size > 0 and bool((value == 0).all()) \
+                    and tuple(zero.aval.shape) in ((), tuple(eqn.outvars[0].aval.shape)):
+                yield from self.child.match(other, graph, state.absorb(eqn))
+                return
+
+
 def _match_all(nodes, atoms, graph, state):
     if not nodes:
         yield state
@@ -185,6 +207,10 @@ def mul(a: Node, b: Node, tag: str | None = None) -> Op:
 
 def sub(a: Node, b: Node, tag: str | None = None) -> Op:
     return Op("sub", (a, b), tag=tag)
+
+
+def zero_plus(a: Node) -> ZeroPlus:
+    return ZeroPlus(a)
 
 
 def matches(tree: Node, atom, graph: Graph, state: State = EMPTY) -> Iterator[State]:

@@ -6,6 +6,8 @@ They are tried most specific first, so `relu((x - m) * s + t + r)` becomes
 one call rather than a `mul` and a `sub` left to XLA:
 
   name                        tree                              fused op
+  norm_residual_relu          relu((((x - m) * q) * s + t) + r) epilogue(mean, prescale, scale, residual)
+  norm_relu                   relu(((x - m) * q) * s + t)       epilogue(mean, prescale, scale)
   bn_residual_relu            relu(((x - m) * s + t) + r)       epilogue(mean, scale, residual)
   bn_relu                     relu((x - m) * s + t)             epilogue(mean, scale)
   scale_shift_residual_relu   relu((x * s + t) + r)             epilogue(scale, residual)
@@ -13,7 +15,10 @@ one call rather than a `mul` and a `sub` left to XLA:
   bias_residual_relu          relu((x + t) + r)                 epilogue(residual)
   add_relu                    relu(x + t)                       add_relu
 
-`add` and `mul` match in either operand order (`t + s * x`); an operand that
+(norm_*: stax's and equinox's BatchNorm, `gamma * ((x - mean) * rsqrt(var)) + beta`,
+two products the kernel rounds as XLA does.) A residual sum written `(0 + a) + b` (stax's FanInSum: Python's `sum`) matches
+as `a + b`, exactly so under the ReLU (dsl.ZeroPlus). `add` and `mul` match in
+either operand order (`t + s * x`); an operand that
 is a broadcast adding size-1 dims is read in place from its source. Under
 `grad`, the pre-activation's derivative masks (masks.py) are rewritten from
 the fused op's output and, where needed, its tie mask.
@@ -30,12 +35,12 @@ from jaxfuse._primitive import add_relu_p, check_broadcast, epilogue_labels, epi
 
 from .. import _compat as C
 from . import masks as M
-from .dsl import add, matches, mul, operand, sub
+from .dsl import add, matches, mul, operand, sub, zero_plus
 from .graph import Graph
 from .patterns import Match, Pattern
 from .relu import ROOTS, relu
 
-x, m, s, t, r = (operand(n) for n in ("x", "mean", "scale", "shift", "residual"))
+x, m, q, s, t, r = (operand(n) for n in ("x", "mean", "prescale", "scale", "shift", "residual"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,18 +51,27 @@ class Family:
     scale: bool
     residual: bool
     doc: str
+    prescale: bool = False
 
     @property
     def labels(self):
-        return epilogue_labels(mean=self.mean, scale=self.scale, residual=self.residual)
+        return epilogue_labels(mean=self.mean, prescale=self.prescale, scale=self.scale,
+                               residual=self.residual)
 
 
 FAMILY = (
-    Family("bn_residual_relu", relu(add(add(mul(sub(x, m, tag="sub"), s), t), r)), True, True, True,
+    Family("norm_residual_relu",
+           relu(add(zero_plus(add(mul(mul(sub(x, m, tag="sub"), q), s), t)), r)),
+           True, True, True, "relu((((x - m) * q) * s + t) + r) -> one jaxfuse_epilogue call",
+           prescale=True),
+    Family("norm_relu", relu(add(mul(mul(sub(x, m, tag="sub"), q), s), t)), True, True, False,
+           "relu(((x - m) * q) * s + t) -> one jaxfuse_epilogue call", prescale=True),
+    Family("bn_residual_relu", relu(add(zero_plus(add(mul(sub(x, m, tag="sub"), s), t)), r)),
+           True, True, True,
            "relu(((x - m) * s + t) + r) -> one jaxfuse_epilogue call"),
     Family("bn_relu", relu(add(mul(sub(x, m, tag="sub"), s), t)), True, True, False,
            "relu((x - m) * s + t) -> one jaxfuse_epilogue call"),
-    Family("scale_shift_residual_relu", relu(add(add(mul(x, s), t), r)), False, True, True,
+    Family("scale_shift_residual_relu", relu(add(zero_plus(add(mul(x, s), t)), r)), False, True, True,
            "relu((x * s + t) + r) -> one jaxfuse_epilogue call"),
     Family("scale_shift_relu", relu(add(mul(x, s), t)), False, True, False,
            "relu(x * s + t) -> one jaxfuse_epilogue call"),
@@ -153,8 +167,8 @@ def build(mt: Match, graph: Graph):
             params["cost"] = cost
         eqns.append(C.new_eqn(atoms, [out], add_relu_p, params, like=like, effects=effects))
     else:
-        params = {"mean": family.mean, "scale": family.scale, "residual": family.residual,
-                  "tie": needs_tie, "grad_at_zero": sp.grad_at_zero}
+        params = {"mean": family.mean, "prescale": family.prescale, "scale": family.scale,
+                  "residual": family.residual, "tie": needs_tie, "grad_at_zero": sp.grad_at_zero}
         if cost is not None:
             params["cost"] = cost
         eqns.append(C.new_eqn(atoms, [out, tie_var] if needs_tie else [out], epilogue_p,
