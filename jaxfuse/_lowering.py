@@ -98,18 +98,21 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
         attrs = attrs_of(ctx, platform, **params)
         if is_partitioned(ctx):
             return lower_partitioned(ctx, *args, target=target, attrs=attrs)
-        call = local_call(target, len(ctx.avals_out), attrs)
+        inplace = params.get("inplace")
+        if inplace is not None and tuple(ctx.avals_in[inplace].shape) != tuple(ctx.avals_out[0].shape):
+            inplace = None
+        call = local_call(target, len(ctx.avals_out), attrs, inplace=inplace)
         return mlir.lower_fun(call, multiple_results=len(ctx.avals_out) > 1)(ctx, *args)
 
     return lower
 
 
-def _add_relu_attrs(ctx, platform, *, grad_at_zero, cost=None):
+def _add_relu_attrs(ctx, platform, *, grad_at_zero, cost=None, inplace=None):
     return ()  # grad_at_zero only matters to the JVP
 
 
 def _epilogue_attrs(ctx, platform, *, mean, scale, residual, tie, grad_at_zero, prescale=False,
-                    cost=None):
+                    cost=None, inplace=None):
     r = _numerics.rounding(platform, ctx.avals_in[0].dtype)
     return (("mean", mean), ("prescale", prescale), ("scale", scale), ("residual", residual),
             ("contract", r.contract and scale), ("narrow_each_op", r.narrow_each_op), ("tie", tie))

@@ -17,6 +17,9 @@ Shared contract:
   * all operands share one served dtype;
   * `cost` (optional) is what the pass's cost model recorded about the site;
     the lowering decides with it, per platform, whether the kernel pays;
+  * `inplace` (optional) is the position of a full-size operand whose buffer
+    nothing reads afterwards: the kernel may write its result there (elementwise,
+    so reading and writing the same element in one step is safe);
   * each has the output's rank or rank 0, and every dimension equals the
     output's or is 1 -- the size-1 broadcasting `lax.add` itself accepts, so a
     bias `(1, C)` is read in place, never materialized;
@@ -125,13 +128,13 @@ def _aval_out(avals):
 
 
 # ---------------------------------------------------------------- abstract eval
-def _add_relu_abstract_eval(a, b, *, grad_at_zero, cost=None):
+def _add_relu_abstract_eval(a, b, *, grad_at_zero, cost=None, inplace=None):
     check_operands(a.shape, a.dtype, b.shape, b.dtype)
     return _aval_out([a, b])
 
 
 def _epilogue_abstract_eval(*avals, mean, scale, residual, tie, grad_at_zero, prescale=False,
-                            cost=None):
+                            cost=None, inplace=None):
     labels = epilogue_labels(mean=mean, prescale=prescale, scale=scale, residual=residual)
     if len(avals) != len(labels):
         raise TypeError(f"jaxfuse epilogue: expected operands {labels}, got {len(avals)}")
@@ -174,7 +177,7 @@ def add_relu_reference(a, b):
 
 
 def epilogue_reference(*operands, mean, scale, residual, tie, grad_at_zero=None, prescale=False,
-                       cost=None):
+                       cost=None, inplace=None):
     """The unfused definition of `epilogue_p` (XLA fuses and rounds it its own way)."""
     v = preactivation(*operands, mean=mean, prescale=prescale, scale=scale, residual=residual)
     zero = lax.full((), 0, v.dtype)
@@ -222,8 +225,9 @@ def _relu_tangent(t, out, grad_at_zero, tie=None, y=None):
     return lax.mul(t, mask)
 
 
-def _add_relu_jvp(primals, tangents, *, grad_at_zero, **params):
+def _add_relu_jvp(primals, tangents, *, grad_at_zero, inplace=None, **params):
     a, b = primals
+    # Under differentiation an operand may be read again (a residual): no reuse.
     out = add_relu_p.bind(a, b, grad_at_zero=grad_at_zero, **params)
     t = _add_tangents(*tangents, out)
     if t is None:
@@ -234,7 +238,7 @@ def _add_relu_jvp(primals, tangents, *, grad_at_zero, **params):
 
 
 def _epilogue_jvp(primals, tangents, *, mean, scale, residual, tie, grad_at_zero,
-                  prescale=False, **params):
+                  prescale=False, inplace=None, **params):
     need_tie = tie or grad_at_zero != RELU_GRAD_AT_ZERO
     outs = epilogue_p.bind(*primals, mean=mean, prescale=prescale, scale=scale,
                            residual=residual, tie=need_tie, grad_at_zero=grad_at_zero, **params)

@@ -108,8 +108,10 @@ def _partition_shardings(mesh, arg_shapes, out_shape, out_sharding):
     return out_sharding, tuple(out_sharding for _ in arg_shapes)
 
 
-def local_call(target: str, n_results: int, attrs: tuple):
-    """The kernel on one device's operands (the shapes it is given)."""
+def local_call(target: str, n_results: int, attrs: tuple, inplace: int | None = None):
+    """The kernel on one device's operands (the shapes it is given); with
+    `inplace`, its result may take that operand's buffer (XLA copies the
+    operand first if anything still reads it)."""
 
     def call(*operands):
         out_shape = check_broadcast(target, [(str(k), x.shape, x.dtype) for k, x in enumerate(operands)])
@@ -118,7 +120,9 @@ def local_call(target: str, n_results: int, attrs: tuple):
         results = [jax.ShapeDtypeStruct(out_shape, operands[0].dtype)]
         if n_results == 2:
             results.append(jax.ShapeDtypeStruct(out_shape, bool))
-        outs = jax.ffi.ffi_call(target, results)(*operands, **dict(attrs))
+        aliases = {inplace: 0} if inplace is not None else None
+        outs = jax.ffi.ffi_call(target, results, input_output_aliases=aliases)(
+            *operands, **dict(attrs))
         return tuple(outs) if n_results > 1 else outs[0]
 
     return call

@@ -336,3 +336,31 @@ def test_fused_equation_keeps_the_sites_source_info(rng):
     # and it reaches the lowered program as a location in this file
     text = fuse(f).lower(a, b).as_text(debug_info=True)
     assert "test_rewrite_walker.py" in text
+
+
+# ------------------------------------------------------------------ in place
+def _inplace(closed):
+    return [e.params.get("inplace") for e in fused_eqns(closed)]
+
+
+def test_result_reuses_a_dead_operand_buffer_but_never_an_argument(rng):
+    a, b = tie_operands(rng)
+    w = jnp.ones((8, 8))
+    # an argument: the caller owns it
+    assert _inplace(rewritten(lambda a, b: jax.nn.relu(a + b), a, b)[1]) == [None]
+    # a matmul's result, read only by the site: the kernel may write over it
+    assert _inplace(rewritten(lambda a, w, b: jax.nn.relu(a @ w + b), a, w, b)[1]) == [0]
+    # ... but not while something else still reads it
+    assert _inplace(rewritten(lambda a, w, b: (lambda h: (jax.nn.relu(h + b), h))(a @ w),
+                              a, w, b)[1]) == [None]
+
+
+def test_a_loop_carry_is_updated_in_place(rng):
+    a, b = tie_operands(rng)
+    f = lambda x, b: lax.fori_loop(0, 4, lambda i, y: jax.nn.relu(y + b), x)  # noqa: E731
+    assert _inplace(rewritten(f, a, b)[1]) == [0]
+    opt = fuse(f)
+    assert_same(jax.jit(f), opt, a, b)
+    if "custom_call" in opt.lower(a, b).as_text():
+        body = opt.lower(a, b).compile().as_text().split("ENTRY")[0]
+        assert "copy(" not in body  # no copy of the result into the carry buffer

@@ -164,3 +164,30 @@ def test_optimize_rewrites_inside_shard_map(rng):
     hlo = f.lower(x, b).compile().as_text()
     assert hlo.count('custom_call_target="jaxfuse_add_relu"') == 1
     assert not COLLECTIVES.findall(hlo)
+
+
+@pytest.mark.parametrize("via", ["optimize", "add_relu"])
+def test_partially_manual_shard_map(rng, via):
+    # Only "a" is manual; "b" stays auto, so the partitioner still splits the
+    # body (on a positional sharding over the devices of each "a" shard).
+    from jax.sharding import AxisType
+
+    m = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Auto, AxisType.Auto),
+                      devices=jax.devices()[:4])
+    body = (lambda x: jax.nn.relu(x + 1.0)) if via == "optimize" else (
+        lambda x: jaxfuse.add_relu(x, 1.0))
+    f = jax.shard_map(body, mesh=m, in_specs=P("a"), out_specs=P("a"), axis_names={"a"})
+    x = put(random_operand(rng, (8, 8), np.float32), m, P("a", "b"))
+    want = jax.jit(jax.shard_map(lambda x: jnp.maximum(x + 1.0, 0), mesh=m, in_specs=P("a"),
+                                 out_specs=P("a"), axis_names={"a"}))(x)
+    got = jax.jit(fuse(f) if via == "optimize" else f)(x)
+    assert_bitwise_equal(got, want)
+    hlo = jax.jit(fuse(f) if via == "optimize" else f).lower(x).compile().as_text()
+    assert "jaxfuse_add_relu" in hlo
+    # a broadcast operand whose size-1 dim is split: replicated, still right
+    b = put(random_operand(rng, (1, 8), np.float32), m, P(None, "b"))
+    g = jax.shard_map(lambda x, b: jax.nn.relu(x + b), mesh=m, in_specs=(P("a"), P()),
+                      out_specs=P("a"), axis_names={"a"})
+    want = jax.jit(jax.shard_map(lambda x, b: jnp.maximum(x + b, 0), mesh=m, in_specs=(P("a"), P()),
+                                 out_specs=P("a"), axis_names={"a"}))(x, b)
+    assert_bitwise_equal(jax.jit(fuse(g))(x, b), want)

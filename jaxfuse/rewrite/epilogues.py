@@ -161,16 +161,24 @@ def build(mt: Match, graph: Graph):
     for e in mt.eqns:
         effects = effects | e.effects
     cost = mt.info.get("cost")
+    # Write the result over a full-size operand nothing reads afterwards.
+    inplace = next((k for k in mt.info.get("dead_operands", ())
+                    if mt.info["operands"][k].via is None
+                    and tuple(mt.info["operands"][k].shape) == tuple(out.aval.shape)), None)
     if family.name == "add_relu" and not needs_tie:
         params = {"grad_at_zero": sp.grad_at_zero}
         if cost is not None:
             params["cost"] = cost
+        if inplace is not None:
+            params["inplace"] = inplace
         eqns.append(C.new_eqn(atoms, [out], add_relu_p, params, like=like, effects=effects))
     else:
         params = {"mean": family.mean, "prescale": family.prescale, "scale": family.scale,
                   "residual": family.residual, "tie": needs_tie, "grad_at_zero": sp.grad_at_zero}
         if cost is not None:
             params["cost"] = cost
+        if inplace is not None:
+            params["inplace"] = inplace
         eqns.append(C.new_eqn(atoms, [out, tie_var] if needs_tie else [out], epilogue_p,
                               params, like=like, effects=effects))
     eqns.extend(M.build(found, out, tie_var, like=like))

@@ -71,6 +71,20 @@ def _is_combiner(eqn, bodies) -> bool:
         for b, _ in bodies)
 
 
+def carries(eqn, body) -> tuple:
+    """Positions of `body`'s inputs that are the loop state of `eqn` (scan's
+    carry, while's body carry): buffers each iteration may overwrite."""
+    name = eqn.primitive.name
+    jaxpr = getattr(body, "jaxpr", body)
+    n = len(jaxpr.invars)
+    if name == "scan":
+        first = eqn.params.get("num_consts", 0)
+        return tuple(range(first, first + eqn.params.get("num_carry", 0)))
+    if name == "while" and body is eqn.params.get("body_jaxpr"):
+        return tuple(range(eqn.params.get("body_nconsts", 0), n))
+    return ()
+
+
 def _is_jaxpr(v) -> bool:
     return isinstance(v, (C.Jaxpr, C.ClosedJaxpr))
 

@@ -61,18 +61,19 @@ class _Walk:
         self.memo: dict = {}
 
     # -------------------------------------------------------------- structure
-    def body(self, body, frozen, context):
+    def body(self, body, frozen, context, carries=()):
         """Rewrites a Jaxpr or ClosedJaxpr; returns (result, sites, skipped)
-        with paths and sources relative to the body."""
-        key = (id(body), frozen, context.key if context is not None else None)
+        with paths and sources relative to the body. `carries`: positions of
+        the body's inputs that are loop carries (buffers it may overwrite)."""
+        key = (id(body), frozen, context.key if context is not None else None, carries)
         hit = self.memo.get(key)
         if hit is not None:
             return hit[1:]
         if isinstance(body, C.ClosedJaxpr):
-            jaxpr, sites, skipped = self.jaxpr(body.jaxpr, body.consts, frozen, context)
+            jaxpr, sites, skipped = self.jaxpr(body.jaxpr, body.consts, frozen, context, carries)
             result = body if jaxpr is body.jaxpr else C.replace_closed(body, jaxpr)
         else:
-            result, sites, skipped = self.jaxpr(body, None, frozen, context)
+            result, sites, skipped = self.jaxpr(body, None, frozen, context, carries)
         self.memo[key] = (body, result, sites, skipped)
         return result, sites, skipped
 
@@ -80,7 +81,7 @@ class _Walk:
         """Post-order: rewrite the bodies of a higher-order equation first."""
         def visit(b, seg, freeze):
             inner = self.cost.context_for(eqn, b, graph, context) if self.cost is not None else None
-            new, inner_sites, inner_skipped = self.body(b, freeze, inner)
+            new, inner_sites, inner_skipped = self.body(b, freeze, inner, subjaxprs.carries(eqn, b))
             sites.extend(s.rebased(seg, (eqn.source_info,)) for s in inner_sites)
             skipped.extend(k.rebased(seg, (eqn.source_info,)) for k in inner_skipped)
             return new
@@ -97,7 +98,7 @@ class _Walk:
                 visit(b, seg, frozen or eqn.primitive.name)
         return eqn
 
-    def jaxpr(self, jaxpr, consts, frozen, context):
+    def jaxpr(self, jaxpr, consts, frozen, context, carries=()):
         sites, skipped = [], []
         pre = Graph(jaxpr, consts)
         eqns, changed = [], False
@@ -110,7 +111,8 @@ class _Walk:
         if roots:
             view = C.replace_eqns(jaxpr, view_eqns)
             graph = Graph(view, consts, inlined=inlined)
-            replaced = self.match_all(graph, roots, frozen, context, sites)
+            carried = {id(jaxpr.invars[i]) for i in carries}
+            replaced = self.match_all(graph, roots, frozen, context, sites, carried)
             if replaced is not None:
                 return C.replace_eqns(jaxpr, _restore_unused_calls(replaced, groups)), sites, skipped
         return (C.replace_eqns(jaxpr, eqns) if changed else jaxpr), sites, skipped
@@ -122,7 +124,7 @@ class _Walk:
     def _patterns_for(self, eqn):
         return [*self.by_root.get(eqn.primitive.name, ()), *self.any_root]
 
-    def match_all(self, graph: Graph, roots, frozen, context, sites):
+    def match_all(self, graph: Graph, roots, frozen, context, sites, carried=frozenset()):
         """Matches every root in program order; the new equation list, or None."""
         plans: dict[int, list] = {}
         absorbed: set[int] = set()
@@ -148,6 +150,8 @@ class _Walk:
                     if reason is None and cost_reason is None:
                         where, reason = _placement(m, graph)
                     if reason is None and cost_reason is None:
+                        m = dataclasses.replace(m, info={**m.info, "dead_operands": _dead_operands(
+                            m, graph, carried)})
                         plans[where] = plans.get(where, []) + _build(pattern, m, graph)
                         keep = {id(e) for e in m.shared}
                         absorbed.update(id(e) for e in m.eqns if id(e) not in keep)
@@ -219,6 +223,11 @@ def _structural_reason(m: Match, graph: Graph, absorbed: set) -> str | None:
     outputs = {id(v) for v in m.outputs}
     inside_eqns = {id(e) for e in m.eqns}
     shared = {id(e) for e in m.shared}
+    for a in m.operands:
+        prod = graph.producer(a)
+        if prod is not None and id(prod) in inside_eqns and id(prod) not in shared:
+            return (f"an operand is the `{prod.primitive.name}` result the fused region "
+                    f"itself computes")
     for e in m.eqns:
         name = e.primitive.name
         if id(e) in absorbed:
@@ -241,6 +250,23 @@ def _structural_reason(m: Match, graph: Graph, absorbed: set) -> str | None:
                 return (f"the `{name}` result has {total} uses; "
                         f"{total - inside} outside the fused region")
     return None
+
+
+def _dead_operands(m: Match, graph: Graph, carried) -> tuple:
+    """Positions of the operands whose buffer nothing reads after the
+    replacement: values computed here and read only inside the match, or loop
+    carries read only there. A replacement may write its result into one
+    (XLA would otherwise copy a loop's result into the carry)."""
+    inside = {id(e) for e in m.eqns} - {id(e) for e in m.shared}
+    dead = []
+    for i, a in enumerate(m.operands):
+        if not C.is_var(a) or graph.is_output(a):
+            continue
+        if graph.producer(a) is None and id(a) not in carried:
+            continue  # an argument or constant: the caller still owns it
+        if all(id(u) in inside for u in graph.users(a)):
+            dead.append(i)
+    return tuple(dead)
 
 
 def _placement(m: Match, graph: Graph) -> tuple[int, str | None]:
