@@ -1,6 +1,8 @@
-"""`jaxfuse-bench` end to end in --quick mode on CPU, plus its pure helpers.
+"""`jaxfuse-bench` end to end on tiny sizes, plus its pure helpers.
 
-No timing assertions: only exit codes, the JSON schema, the PNG, and arithmetic.
+No timing assertions (the machine is shared and noisy): exit codes, the JSON
+schema, the consistency of verdicts with their intervals, the roofline flag,
+progress output, `--compare`, and arithmetic.
 """
 
 from __future__ import annotations
@@ -10,17 +12,21 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 import jaxfuse
-from jaxfuse.bench import cli, report, timing, workloads
+from jaxfuse.bench import cli, compare, reference, report, timing, workloads
+from jaxfuse.bench.timing import Stats
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 OP_WORKLOADS = {"add_relu", "bias_add_relu"}
-ALL_MODES = {"unfused", "xla", "jaxfuse"}
+OP_MODES = {"unfused", "xla", "jaxfuse"}
+MODEL_MODES = {"xla", "jaxfuse", "jaxfuse-always"}
+TIMING = {"latency", "throughput"}
 
 try:
     import matplotlib  # noqa: F401
@@ -40,13 +46,15 @@ def _env():
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
+    """One real run in a child process: stderr is a pipe (not a tty), so the
+    progress comes as one line per case; the reference is the real one."""
     d = tmp_path_factory.mktemp("bench")
     out_json, out_png = d / "bench.json", d / "bench.png"
     cmd = [
         sys.executable, "-m", "jaxfuse.bench", "--quick",
-        "--sizes", "4096,65536", "--reps", "3", "--warmup", "1",
-        "--model-shape", "2x8x8x16",
-        "--json", str(out_json), "--no-progress",
+        "--sizes", "4096,65536", "--dtypes", "float32,float64", "--workloads", "add_relu,bias_add_relu,mlp",
+        "--reps", "3", "--warmup", "1", "--ref-reps", "1",
+        "--json", str(out_json),
     ]
     if HAVE_MPL:
         cmd += ["--plot", str(out_png)]
@@ -54,46 +62,116 @@ def quick_run(tmp_path_factory):
     return proc, out_json, out_png
 
 
-def test_cli_exit_code_and_table(quick_run):
+@pytest.fixture()
+def small_reference(monkeypatch):
+    """In-process runs: a 16 MiB reference copy (the real one is >= 256 MiB)."""
+    monkeypatch.setattr(reference, "buffer_bytes", lambda cache: 16 << 20)
+
+
+def _records(path):
+    return json.loads(path.read_text())["records"]
+
+
+# ------------------------------------------------------------ the real run
+def test_cli_exit_code_table_and_legend(quick_run):
     proc, _, _ = quick_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "median us" in proc.stdout and "% copy" in proc.stdout
-    for wl in ("add_relu", "bias_add_relu", "resnet_block"):
-        assert f"{wl}: jaxfuse" in proc.stdout  # one verdict per workload
+    out = proc.stdout
+    for col in ("median us", "bytes", "timing", "% roof", "t/xla", "95% CI", "verdict"):
+        assert col in out
+    assert "latency    = each call dispatched and waited for" in out
+    assert "throughput = K calls dispatched back to back" in out
+    assert "sample spread" not in out  # the old +-2% / spread rule is gone
+    # a summary line per workload/dtype/mode/timing mode, with counts
+    for wl in ("add_relu", "bias_add_relu"):
+        for tm in TIMING:
+            assert re.search(rf"^{wl} float32 jaxfuse \(policy=always\) \[{tm}\]: \d+ BEATS, \d+ TIES, "
+                             rf"\d+ LOSES of 2 cases", out, re.M), out
+    assert re.search(r"^mlp float32 jaxfuse \(policy=auto\) \[latency\]: ", out, re.M)
+    assert "reference bandwidth:" in out
+    # human-readable bytes: 4096 float32 x 3 passes = 48 KiB
+    assert re.search(r"add_relu\s+float32\s+4096\s+48 KiB\s+latency\s+xla", out), out
 
 
-def test_cli_json_fields(quick_run):
+def test_progress_lines_on_a_non_tty_stderr(quick_run):
+    proc, _, _ = quick_run
+    lines = [ln for ln in proc.stderr.splitlines() if re.match(r"\[\d+/\d+ \d+s\] ", ln)]
+    # 2 reference copies + add_relu 2 sizes + bias 2 sizes, x 2 dtypes + mlp x 2 dtypes
+    total = 2 + 2 * (2 + 2 + 1)
+    assert len(lines) == total, proc.stderr
+    assert all(f"/{total} " in ln for ln in lines)
+    assert any("add_relu float64 65536: latency xla" in ln for ln in lines), lines
+    assert "\r" not in proc.stderr  # no bar on a pipe
+
+
+def test_cli_json_schema(quick_run):
     proc, out_json, _ = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out_json.read_text())
     for key, typ in [("device", str), ("platform", str), ("jax_version", str), ("date", str),
-                     ("copy_gbps", float), ("records", list), ("kernels", dict),
-                     ("python", str), ("device_kind", str), ("copy", list)]:
+                     ("reference", dict), ("reference_gbps", float), ("records", list),
+                     ("kernels", dict), ("python", str), ("device_kind", str), ("skipped", list)]:
         assert isinstance(data[key], typ), (key, data.get(key))
     dt.datetime.fromisoformat(data["date"])
-    assert data["copy_gbps"] > 0
     assert data["complete"] is True
-    assert data["records"]
+    ref = data["reference"]
+    assert ref["gbps"] == data["reference_gbps"] > 0
+    assert ref["is_ceiling"] is True and "np.copyto" in ref["label"]  # CPU: the threaded copy
+    assert ref["buffer_bytes"] >= max(256 << 20, 8 * data["cache_bytes"]) - 4096
+    assert ref["bytes_per_copy"] == 2 * ref["buffer_bytes"]
+    whens = [r["when"] for r in data["reference_runs"]]
+    assert whens[0] == "start" and whens[-1] == "end"
+    assert all(re.fullmatch(r"after \d+s", w) for w in whens[1:-1])  # one every 30 s of a long run
+    assert ref["gbps"] == max(r["gbps"] for r in data["reference_runs"])
 
-    for r in data["records"]:
-        assert isinstance(r["mode"], str) and isinstance(r["workload"], str)
-        assert isinstance(r["shape"], list) and all(isinstance(d, int) for d in r["shape"])
+    recs = data["records"]
+    assert recs
+    for r in recs:
+        assert r["timing_mode"] in TIMING
         assert r["elements"] == math.prod(r["shape"])
-        assert r["dtype"] in ("float32", "bfloat16", "float16")
-        for k in ("median_s", "min_s", "max_s", "gbps", "pct_of_copy"):
+        assert r["dtype"] in ("float32", "float64")
+        for k in ("median_s", "min_s", "max_s", "gbps", "pct_of_roofline"):
             assert isinstance(r[k], float) and r[k] > 0, (k, r)
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
-        assert isinstance(r["bytes"], int) and r["bytes"] > 0
-        assert r["xla_bytes"] is None or isinstance(r["xla_bytes"], float)
-        assert r["impl"] in ("xla", "kernel", "fallback", "no-rewrite")
+        assert len(r["samples_s"]) == r["reps"] == 3
+        assert r["pct_of_roofline"] == pytest.approx(100 * r["gbps"] / data["reference_gbps"])
+        assert r["over_roofline"] is (r["pct_of_roofline"] > 105)
+        assert r["impl"] in ("xla", "kernel", "fallback", "declined", "no-rewrite")
+        if r["mode"] in ("xla", "unfused"):  # unfused is two programs
+            assert r["same_program_as_xla"] is None
+        else:
+            assert isinstance(r["same_program_as_xla"], bool)
+            # a custom call in the program makes it a different program from XLA's
+            assert not (r["same_program_as_xla"] and r["custom_calls"] > 0)
+        if r["mode"] == "xla":
+            assert r["ratio_ci"] is None and r["verdict"] is None
+        else:
+            lo, hi = r["ratio_ci"]
+            assert lo <= r["ratio_median"] <= hi
+        if r["mode"] in ("jaxfuse", "jaxfuse-always"):
+            assert r["verdict"] == report.classify(lo, hi)
+            if lo <= 1 <= hi:
+                assert r["verdict"] == "TIES"
 
-    modes = {}
-    for r in data["records"]:
-        modes.setdefault((r["workload"], r["dtype"], tuple(r["shape"])), set()).add(r["mode"])
-    assert {wl for wl, _, _ in modes} == OP_WORKLOADS | {"resnet_block"}
-    assert {d for _, d, _ in modes} == {"float32", "bfloat16", "float16"}
-    for (wl, _, _), ms in modes.items():
-        assert ms == (ALL_MODES if wl in OP_WORKLOADS else {"xla", "jaxfuse"}), (wl, ms)
+    cases = {}
+    for r in recs:
+        cases.setdefault((r["workload"], r["dtype"], tuple(r["shape"])), set()).add((r["mode"], r["timing_mode"]))
+    assert {wl for wl, _, _ in cases} == OP_WORKLOADS | {"mlp"}
+    for (wl, _, _), ms in cases.items():
+        modes = OP_MODES if wl in OP_WORKLOADS else MODEL_MODES
+        assert ms == {(m, t) for m in modes for t in TIMING}, (wl, ms)
+
+
+def test_float64_runs_with_the_kernel(quick_run):
+    _, out_json, _ = quick_run
+    data = json.loads(out_json.read_text())
+    f64 = [r for r in data["records"] if r["dtype"] == "float64"]
+    assert {r["workload"] for r in f64} == OP_WORKLOADS | {"mlp"}
+    # 8 bytes per element: 3 passes of 4096 float64
+    x = next(r for r in f64 if r["workload"] == "add_relu" and r["shape"] == [4096] and r["mode"] == "xla")
+    assert x["bytes"] == 3 * 4096 * 8
+    if data["kernels"].get(data["kernel_platform"]):
+        assert all(r["impl"] == "kernel" for r in f64 if r["mode"] == "jaxfuse" and r["kind"] == "op")
 
 
 def test_cli_reports_kernel_or_fallback_honestly(quick_run):
@@ -101,11 +179,13 @@ def test_cli_reports_kernel_or_fallback_honestly(quick_run):
     data = json.loads(out_json.read_text())
     plat = data["kernel_platform"]
     jf = [r for r in data["records"] if r["mode"] == "jaxfuse" and r["workload"] in OP_WORKLOADS]
-    assert jf
+    assert jf and all(r["policy"] == "always" for r in jf)
     assert all(r["fused_sites"] >= 1 for r in jf), jf  # the pass fired on relu(a + b)
     if data["kernels"].get(plat) and not data["kernels_disabled_by_env"]:
-        # The kernel exists: the jaxfuse mode must really have lowered to it.
         assert all(r["impl"] == "kernel" and r["custom_calls"] >= 1 for r in jf), jf
+        # mlp under policy="always": all three hidden-layer sites are custom calls
+        always = [r for r in data["records"] if r["workload"] == "mlp" and r["mode"] == "jaxfuse-always"]
+        assert always and all(r["fused_sites"] == 3 == r["custom_calls"] for r in always)
     else:
         assert data["fallback"] is True and "FALLBACK" in data["fallback_note"]
         assert all(r["impl"] != "kernel" for r in jf)
@@ -118,26 +198,325 @@ def test_cli_png_written(quick_run):
     assert out_png.read_bytes()[:8] == PNG_SIGNATURE
 
 
-def test_main_in_process_and_bad_args(tmp_path, capsys):
+# ------------------------------------------------------------ in-process runs
+def test_main_in_process_selects_modes_and_timing(tmp_path, small_reference, capsys):
     rc = cli.main(["--sizes", "4096", "--dtypes", "float32", "--workloads", "add_relu",
-                   "--modes", "xla,jaxfuse", "--reps", "2", "--warmup", "1", "--no-progress",
-                   "--json", str(tmp_path / "b.json")])
+                   "--modes", "xla,jaxfuse", "--timing", "throughput", "--reps", "2", "--warmup", "1",
+                   "--ref-reps", "1", "--no-progress", "--json", str(tmp_path / "b.json")])
     assert rc == 0
-    recs = json.loads((tmp_path / "b.json").read_text())["records"]
-    assert {r["mode"] for r in recs} == {"xla", "jaxfuse"}
+    recs = _records(tmp_path / "b.json")
+    assert {(r["mode"], r["timing_mode"]) for r in recs} == {("xla", "throughput"), ("jaxfuse", "throughput")}
+    assert capsys.readouterr().err == ""  # --no-progress: nothing on stderr
     with pytest.raises(SystemExit) as e:
-        cli.main(["--dtypes", "float64"])
+        cli.main(["--dtypes", "float128"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--timing", "wallclock"])
     assert e.value.code == 2
 
 
-# ----------------------------------------------------------------- pure helpers
+def test_no_files_unless_asked(tmp_path, small_reference, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["--sizes", "4096", "--dtypes", "float32", "--workloads", "add_relu", "--modes", "xla",
+                   "--timing", "latency", "--reps", "1", "--warmup", "1", "--ref-reps", "1", "--no-progress"])
+    assert rc == 0
+    assert os.listdir(tmp_path) == []
+    assert "wrote" not in capsys.readouterr().out
+
+
+def test_over_roofline_is_flagged_in_a_run(tmp_path, monkeypatch, capsys):
+    # A reference far below anything measurable: every record is "above the ceiling".
+    fake = reference.Reference(gbps=1e-6, label="fake copy", method="test", is_ceiling=True,
+                               buffer_bytes=1, bytes_per_copy=2, reps=1)
+    monkeypatch.setattr(reference, "measure", lambda *a, **k: fake)
+    rc = cli.main(["--sizes", "4096", "--dtypes", "float32", "--workloads", "add_relu", "--modes", "xla",
+                   "--timing", "latency", "--reps", "1", "--warmup", "1", "--no-progress",
+                   "--json", str(tmp_path / "o.json")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "MEASUREMENT ERROR: 1 record above 105% of the reference" in out
+    row = next(ln for ln in out.splitlines() if re.match(r"add_relu\s+float32\s+4096", ln))
+    assert "!!" in row
+    (rec,) = _records(tmp_path / "o.json")
+    assert rec["over_roofline"] is True and rec["pct_of_roofline"] > 105
+
+
+def test_time_budget_skips_the_rest_and_finishes(tmp_path, small_reference, capsys):
+    rc = cli.main(["--sizes", "4096,8192", "--dtypes", "float32", "--workloads", "add_relu", "--modes", "xla",
+                   "--timing", "latency", "--reps", "1", "--warmup", "1", "--ref-reps", "1", "--no-progress",
+                   "--time-budget", "0", "--json", str(tmp_path / "t.json")])
+    assert rc == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["records"] == [] and data["complete"] is True
+    assert [(s["size"], s["reason"]) for s in data["skipped"]] == [(4096, "time budget of 0s spent"),
+                                                                   (8192, "time budget of 0s spent")]
+    assert "skipped 2 cases (time budget of 0s spent): add_relu float32 4096, add_relu float32 8192" in \
+        capsys.readouterr().out
+
+
+def test_reference_is_remeasured_and_the_fastest_counts(tmp_path, monkeypatch):
+    rates = iter([10.0, 30.0, 20.0, 15.0])
+
+    def fake(*a, **k):
+        g = next(rates)
+        return reference.Reference(gbps=g, label=f"copy {g}", method="test", is_ceiling=True,
+                                   buffer_bytes=1, bytes_per_copy=2, reps=1)
+
+    monkeypatch.setattr(reference, "measure", fake)
+    monkeypatch.setattr(cli, "REFERENCE_EVERY_S", 0.0)  # before every case
+    rc = cli.main(["--sizes", "4096,8192", "--dtypes", "float32", "--workloads", "add_relu", "--modes", "xla",
+                   "--timing", "latency", "--reps", "1", "--warmup", "1", "--no-progress",
+                   "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert [r["gbps"] for r in data["reference_runs"]] == [10.0, 30.0, 20.0, 15.0]
+    assert [r["when"][:5] for r in data["reference_runs"]] == ["start", "after", "after", "end"]
+    assert data["reference_gbps"] == 30.0 and data["reference"]["label"] == "copy 30.0"
+    for r in data["records"]:
+        assert r["pct_of_roofline"] == pytest.approx(100 * r["gbps"] / 30.0)
+
+
+# ---------------------------------------------------------- verdicts and CIs
+def _rec(mode, samples, tm="latency", wl="add_relu", shape=(4096,), dtype="float32", kind="op",
+         nbytes=3 * 4096 * 4, ref=None, **kw):
+    s = timing.summarize(samples)
+    return report.make_record(mode=mode, workload=wl, shape=shape, dtype=dtype, stats=s, nbytes=nbytes,
+                              timing_mode=tm, kind=kind, reference_gbps=ref, **kw)
+
+
+def test_attach_ratios_and_verdicts_follow_the_interval():
+    xla = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.02, 0.98]
+    recs = [
+        _rec("xla", xla),
+        _rec("jaxfuse", [0.5 * x for x in xla], impl="kernel"),                      # clearly faster
+        _rec("xla", xla, tm="throughput"),
+        _rec("jaxfuse", [2.0 * x for x in xla], tm="throughput", impl="kernel"),     # clearly slower
+        _rec("unfused", [3.0 * x for x in xla]),
+    ]
+    report.attach_ratios(recs)
+    fast, slow = recs[1], recs[3]
+    assert fast["ratio_median"] == pytest.approx(0.5) and fast["ratio_ci"][1] < 1 and fast["verdict"] == "BEATS"
+    assert slow["ratio_median"] == pytest.approx(2.0) and slow["ratio_ci"][0] > 1 and slow["verdict"] == "LOSES"
+    assert fast["speedup_vs_unfused"] == pytest.approx(6.0)
+    assert "speedup_vs_unfused" not in slow  # no unfused record in its timing mode
+    # noisy ratios straddling 1 -> TIES, never BEATS/LOSES
+    noisy = [_rec("xla", [1.0] * 8), _rec("jaxfuse", [0.8, 1.2, 0.9, 1.1, 0.85, 1.15, 1.0, 1.0], impl="kernel")]
+    report.attach_ratios(noisy)
+    lo, hi = noisy[1]["ratio_ci"]
+    assert lo < 1 < hi and noisy[1]["verdict"] == "TIES"
+
+
+def test_summary_counts_are_recomputed_from_intervals():
+    def hand(ci, med, shape, verdict):
+        r = _rec("jaxfuse", [1.0], shape=shape, impl="kernel", policy="always")
+        r["ratio_ci"], r["ratio_median"], r["verdict"] = list(ci), med, verdict
+        return r
+
+    recs = [hand((0.80, 0.95), 0.9, (1,), "BEATS"),
+            hand((0.90, 1.10), 0.95, (2,), "BEATS"),   # a lying verdict: its interval holds 1
+            hand((1.00, 1.20), 1.1, (3,), "LOSES"),    # low == 1 is not "> 1": TIES
+            hand((1.05, 1.30), 1.2, (4,), "TIES")]     # a lying verdict the other way
+    counts = report.verdict_counts(recs)
+    by = counts[("add_relu", "float32", "jaxfuse", "latency")]
+    assert [len(by[v]) for v in ("BEATS", "TIES", "LOSES")] == [1, 2, 1]
+    (line,) = report.verdicts(recs)
+    assert "1 BEATS, 2 TIES, 1 LOSES of 4 cases" in line
+    assert "worst 1.200 [1.050, 1.300] at float32 4" in line
+    assert report.classify(0.9, 0.99) == "BEATS" and report.classify(1.01, 1.2) == "LOSES"
+    assert report.classify(0.99, 1.01) == "TIES" and report.classify(1.0, 1.0) == "TIES"
+
+
+def test_model_headline_counts_only_default_policy_losses():
+    def hand(mode, ci, tm="latency"):
+        r = _rec(mode, [1.0], wl="mlp", kind="model", tm=tm, impl="declined", policy="auto")
+        r["ratio_ci"], r["ratio_median"] = list(ci), sum(ci) / 2
+        return r
+
+    recs = [hand("jaxfuse", (0.9, 1.1)), hand("jaxfuse", (1.1, 1.3), "throughput"),
+            hand("jaxfuse-always", (1.5, 1.7))]
+    line = report.verdicts(recs)[-1]
+    assert line.startswith("model workloads, jaxfuse with the default policy (auto) against XLA: "
+                           "1 of 2 cases LOSE")
+    assert "mlp float32 [throughput] 1.200 [1.100, 1.300]" in line
+
+
+# --------------------------------------------------------------- roofline
+def test_roofline_flag_and_summary():
+    recs = [_rec("xla", [1e-3], nbytes=int(10.6e6)), _rec("jaxfuse", [1e-3], nbytes=int(10.4e6), impl="kernel")]
+    report.set_roofline(recs, 10.0)  # records move 10.6 and 10.4 GB/s
+    assert recs[0]["pct_of_roofline"] == pytest.approx(106) and recs[0]["over_roofline"] is True
+    assert recs[1]["pct_of_roofline"] == pytest.approx(104) and recs[1]["over_roofline"] is False
+    ref = {"gbps": 10.0, "label": "CPU copy", "is_ceiling": True, "method": "m"}
+    lines = report.roofline_summary(recs, ref)
+    assert "MEASUREMENT ERROR: 1 record above 105%" in lines[1] and "add_relu float32 4096 xla" in lines[1]
+    table = report.format_table(recs).splitlines()
+    assert "106!!" in next(ln for ln in table if " xla " in ln)
+    assert "!!" not in next(ln for ln in table if " jaxfuse " in ln)
+    report.set_roofline(recs, None)
+    assert recs[0]["pct_of_roofline"] is None and recs[0]["over_roofline"] is False
+    not_ceiling = dict(ref, is_ceiling=False, label="XLA copy (not a ceiling)")
+    assert "NOT a ceiling" in report.roofline_summary([], not_ceiling)[0]
+
+
+def test_cpu_reference_copy_counts_read_and_write():
+    r = reference.cpu_copy(0, reps=2, nbytes=8 << 20)
+    assert r.buffer_bytes == 8 << 20 and r.bytes_per_copy == 16 << 20
+    assert r.gbps == pytest.approx(r.bytes_per_copy / r.median_s / 1e9)
+    assert r.is_ceiling and r.threads >= 1 and len(r.samples_s) == 2
+    assert reference.buffer_bytes(32 << 20) == 256 << 20
+    assert reference.buffer_bytes(64 << 20) == 512 << 20  # 8 x the cache
+    assert reference.over(105.01) and not reference.over(105.0) and not reference.over(None)
+
+
+def test_device_copy_without_the_target_is_labelled_not_a_ceiling():
+    import jax
+
+    if reference.copy_target_available():
+        pytest.skip("the jaxfuse_copy target runs here")
+    r = reference.device_copy(jax.devices()[0], 0, reps=2, calls=2, nbytes=4 << 20)
+    assert r.label == "XLA copy (not a ceiling)" and r.is_ceiling is False
+    assert r.bytes_per_copy == 2 * r.buffer_bytes == 8 << 20 and r.gbps > 0
+
+
+# ----------------------------------------------------------------- compare
+def _payload(records, platform="cpu", device="cpu:0 cpu", date="2026-01-01T00:00:00+00:00"):
+    return {"platform": platform, "device": device, "date": date, "records": records}
+
+
+def _crec(wl, mode, med, lo, hi, tm="latency", shape=(4096,)):
+    r = {"workload": wl, "dtype": "float32", "shape": list(shape), "mode": mode,
+         "median_s": med * 1e-6, "min_s": lo * 1e-6, "max_s": hi * 1e-6}
+    if tm is not None:
+        r["timing_mode"] = tm
+    return r
+
+
+def test_compare_two_files(tmp_path, capsys):
+    old = _payload([
+        _crec("add_relu", "xla", 100, 95, 105, tm=None),       # old schema: no timing_mode (CPU: latency)
+        _crec("add_relu", "jaxfuse", 100, 90, 110),
+        _crec("add_relu", "unfused", 200, 190, 210),
+        _crec("bias_add_relu", "xla", 50, 45, 55),              # removed
+    ])
+    new = _payload([
+        _crec("add_relu", "xla", 150, 140, 160),                # slower beyond both spreads
+        _crec("add_relu", "jaxfuse", 105, 95, 115),             # within the spread
+        _crec("add_relu", "unfused", 100, 95, 105),             # faster beyond both
+        _crec("add_relu", "xla", 80, 70, 90, tm="throughput"),  # added
+    ])
+    po, pn = tmp_path / "old.json", tmp_path / "new.json"
+    po.write_text(json.dumps(old))
+    pn.write_text(json.dumps(new))
+    assert cli.main(["--compare", str(po), "--against", str(pn)]) == 0
+    out = capsys.readouterr().out
+    rows = {ln.split()[3]: ln for ln in out.splitlines() if ln.startswith("add_relu") and "latency" in ln
+            and len(ln.split()) >= 8}
+    assert re.search(r"100\.0\s+150\.0\s+1\.500\s+\+ slower$", rows["xla"]), rows["xla"]
+    assert re.search(r"100\.0\s+105\.0\s+1\.050$", rows["jaxfuse"]), rows["jaxfuse"]
+    assert re.search(r"200\.0\s+100\.0\s+0\.500\s+- faster$", rows["unfused"]), rows["unfused"]
+    assert "added (only in NEW): 1" in out and "add_relu float32 4096 xla throughput" in out
+    assert "removed (only in OLD): 1" in out and "bias_add_relu float32 4096 xla latency" in out
+    assert "3 cases compared: 1 slower and 1 faster beyond both runs' spread (min..max), 1 within it" in out
+
+    res = compare.compare(old, new)
+    assert {k[3]: m for k, *_, m in res["common"]} == {"xla": "+", "jaxfuse": "", "unfused": "-"}
+    # an old GPU file without timing_mode was timed back to back: throughput
+    gpu_old = _payload([_crec("add_relu", "xla", 100, 95, 105, tm=None)], platform="gpu")
+    assert list(compare.index(gpu_old))[0][-1] == "throughput"
+
+
+def test_compare_errors(tmp_path, capsys):
+    assert cli.main(["--against", str(tmp_path / "x.json")]) == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"no": "records"}))
+    assert cli.main(["--compare", str(bad), "--against", str(bad)]) == 2
+    assert "not a jaxfuse-bench JSON file" in capsys.readouterr().err
+
+
+def test_compare_after_a_run(tmp_path, small_reference, capsys):
+    old = _payload([_crec("add_relu", "xla", 1e6, 1e6, 1e6)])  # a second per call: the new run is faster
+    po = tmp_path / "old.json"
+    po.write_text(json.dumps(old))
+    rc = cli.main(["--sizes", "4096", "--dtypes", "float32", "--workloads", "add_relu", "--modes", "xla",
+                   "--timing", "latency", "--reps", "2", "--warmup", "1", "--ref-reps", "1", "--no-progress",
+                   "--compare", str(po)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert re.search(r"add_relu\s+float32\s+4096\s+xla\s+latency\s+1000000\.0\s+\S+\s+0\.\d+\s+- faster", out), out
+
+
+# ------------------------------------------------------------- progress
+def test_progress_bar_on_a_tty_lines_elsewhere():
+    buf = io.StringIO()
+    p = report.Progress(3, enabled=True, stream=buf)
+    p.draw("x")  # no bar on a pipe
+    p.step("add_relu float32 4096", "latency xla 1.0us")
+    p.close()
+    assert re.fullmatch(r"\[1/3 \d+s\] add_relu float32 4096: latency xla 1\.0us\n", buf.getvalue())
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    p = report.Progress(2, enabled=True, stream=tty)
+    p.step("first")
+    assert "[" in tty.getvalue() and "1/2" in tty.getvalue() and "\n" not in tty.getvalue()
+    for stream in (Tty(), io.StringIO()):
+        report.Progress(2, enabled=False, stream=stream).step("x")
+        assert stream.getvalue() == ""
+
+
+# ----------------------------------------------------------------- timing
+def test_measure_both_timing_modes_paired_rounds():
+    import jax.numpy as jnp
+
+    calls = {"a": [], "b": []}
+
+    def case(name):
+        def call(i):
+            calls[name].append(i)
+            return jnp.zeros(())
+        return call
+
+    res = timing.measure({"a": case("a"), "b": case("b")}, ("latency", "throughput"), reps=4,
+                         warmup=1, target_batch_s=0.0)
+    assert set(res) == {(n, t) for n in "ab" for t in TIMING}
+    for (name, tm), (stats, k) in res.items():
+        assert stats.n == 4 and len(stats.samples) == 4 and stats.min <= stats.median <= stats.max
+        assert k == (1 if tm == "latency" else timing.MIN_THROUGHPUT_BATCH)
+    assert calls["a"] == list(range(len(calls["a"])))  # input sets cycle in order, across timing modes
+    with pytest.raises(ValueError):
+        timing.measure({"a": case("a")}, ("wallclock",), reps=1)
+
+
+def test_batch_size_rules():
+    kw = dict(target_batch_s=1e-3, max_batch=256)
+    assert timing.batch_size(1e-5, "latency", **kw) == 100
+    assert timing.batch_size(1e-2, "latency", **kw) == 1
+    assert timing.batch_size(1e-3, "throughput", **kw) == timing.MIN_THROUGHPUT_BATCH
+    assert timing.batch_size(0.1, "throughput", **kw) == 2  # long calls: two back to back
+    # never more live outputs than the budget allows, but always two calls back to back
+    assert timing.batch_size(1e-6, "throughput", out_bytes=1 << 20, budget=8 << 20, **kw) == 8
+    assert timing.batch_size(1e-6, "throughput", out_bytes=1 << 40, budget=8 << 20, **kw) == 2
+    assert timing.batch_size(1e-6, "latency", out_bytes=1 << 40, budget=8 << 20, **kw) == 256
+    assert timing.output_budget("cpu") == 4 << 20 and timing.output_budget("gpu") >= 1 << 30
+
+
+def test_ratio_ci_pairs_rounds():
+    med, lo, hi = timing.ratio_ci([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])
+    assert med == lo == hi == 2.0  # drift shared by both cancels in the pairs
+    med, lo, hi = timing.ratio_ci([1.0] * 5 + [3.0] * 5, [1.0] * 10)
+    assert lo <= med <= hi and lo >= 1.0
+
+
+# ----------------------------------------------------------------- helpers
 def test_analytic_bytes_passes():
     n, s = 1 << 20, 4
     assert workloads.analytic_bytes("unfused", (n,), (n,), s) == 5 * n * s
     assert workloads.analytic_bytes("xla", (n,), (n,), s) == 3 * n * s
     assert workloads.analytic_bytes("jaxfuse", (n,), (n,), s) == 3 * n * s
     assert workloads.analytic_bytes("copy", (n,), (n,), s) == 2 * n * s
-    # bias form: the big operand is read once, the bias (C,) once, the output written once
     assert workloads.analytic_bytes("xla", (256, 1024), (1024,), 2) == (2 * 256 * 1024 + 1024) * 2
     assert workloads.analytic_bytes("unfused", (256, 1024), (1024,), 2) == (4 * 256 * 1024 + 1024) * 2
     with pytest.raises(ValueError):
@@ -165,11 +544,37 @@ def test_bytes_accessed_shapes_of_cost_analysis():
     assert workloads.bytes_accessed(None) is None
 
 
+def test_custom_call_count_and_impl():
+    text = ('%0 = stablehlo.custom_call @jaxfuse_add_relu(%a, %b)\n'
+            '%1 = stablehlo.custom_call @jaxfuse_epilogue(%x, %s, %t)\n'
+            '%2 = stablehlo.custom_call @jaxfuse_add_relu_other(%a)\n')
+    assert workloads.count_custom_calls(text) == 2
+    assert workloads.impl_of("xla", 0, 0, 0) == "xla"
+    assert workloads.impl_of("jaxfuse", 2, 2, 0) == "kernel"
+    assert workloads.impl_of("jaxfuse-always", 0, 1, 0) == "fallback"
+    assert workloads.impl_of("jaxfuse", 0, 0, 3) == "declined"
+    assert workloads.impl_of("jaxfuse", 0, 0, 0) == "no-rewrite"
+    assert workloads.policy_of("jaxfuse", "op") == "always"
+    assert workloads.policy_of("jaxfuse", "model") == "auto"
+    assert workloads.policy_of("jaxfuse-always", "model") == "always"
+    assert workloads.policy_of("xla", "model") is None
+
+
+def test_program_fingerprint_ignores_names_and_debug_info():
+    a = ("HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}\n\nFileNames\n1 \"a.py\"\n\n"
+         "StackFrames\n1 {file_location_id=1 parent_frame_id=1}\n\n"
+         "ENTRY %main.3 (p: f32[4]) -> f32[4] {\n  %p = f32[4]{0} parameter(0)\n"
+         "  ROOT %neg.1 = f32[4]{0} negate(%p), metadata={op_name=\"jit(f)/neg\" stack_frame_id=1}\n}\n")
+    b = (a.replace("jit_f", "jit_g").replace("%neg.1", "%negate.7").replace('"a.py"', '"b.py"')
+         .replace("jit(f)/neg", "jit(g)/x"))
+    c = a.replace("negate(", "abs(")
+    assert workloads.program_fingerprint(a) == workloads.program_fingerprint(b)
+    assert workloads.program_fingerprint(a) != workloads.program_fingerprint(c)
+
+
 def test_summarize_median_min_max():
     s = timing.summarize([3.0, 1.0, 2.0])
-    assert (s.median, s.min, s.max, s.n) == (2.0, 1.0, 3.0, 3)
-    s = timing.summarize([4.0, 1.0, 2.0, 3.0])
-    assert (s.median, s.min, s.max) == (2.5, 1.0, 4.0)
+    assert (s.median, s.min, s.max, s.n, s.samples) == (2.0, 1.0, 3.0, 3, (3.0, 1.0, 2.0))
     with pytest.raises(ValueError):
         timing.summarize([])
 
@@ -178,65 +583,43 @@ def test_rotation_count():
     mib = 1 << 20
     assert timing.rotation_count(1 * mib, 32 * mib) == 64  # 2 x cache / working set
     assert timing.rotation_count(64 * mib, 32 * mib) == 1
-    assert timing.rotation_count(100 * mib, 32 * mib) == 1
     assert timing.rotation_count(1, 32 * mib, max_sets=16) == 16
     assert timing.rotation_count(0, 32 * mib) == 1
 
 
-def test_measure_interleaved_counts_calls():
-    import jax.numpy as jnp
-
-    calls = {"a": [], "b": []}
-
-    def case(name):
-        def call(i):
-            calls[name].append(i)
-            return jnp.zeros(())
-        return call
-
-    res = timing.measure_interleaved({"a": case("a"), "b": case("b")}, reps=4, warmup=1,
-                                     target_batch_s=0.0, block_each=True)
-    assert set(res) == {"a", "b"}
-    stats, k = res["a"]
-    assert stats.n == 4 and k == 1 and stats.min <= stats.median <= stats.max
-    assert calls["a"] == list(range(len(calls["a"])))  # input sets cycle in order
-
-
-def test_parse_size():
+def test_parse_size_and_human_bytes():
     assert cli.parse_size("65536") == 65536
     assert cli.parse_size("2^16") == 65536
     assert cli.parse_size("1<<16") == 65536
     assert cli.parse_size("1024x1024") == (1024, 1024)
     with pytest.raises(ValueError):
         cli.parse_size("0")
+    assert report.human_bytes(512) == "512 B"
+    assert report.human_bytes(48 << 10) == "48 KiB"
+    assert report.human_bytes(12 << 20) == "12 MiB"
+    assert report.human_bytes(1.5 * (1 << 30)) == "1.5 GiB"
+    assert report.human_bytes(None) == "-"
 
 
-def test_classify_and_pct():
-    assert report.classify(0.97) == "beats"
-    assert report.classify(1.019) == "ties" and report.classify(0.981) == "ties"
-    assert report.classify(1.03) == "loses"
-    recs = [{"gbps": 50.0}, {"gbps": float("nan")}]
-    report.set_pct_of_copy(recs, 200.0)
-    assert recs[0]["pct_of_copy"] == 25.0 and recs[1]["pct_of_copy"] is None
-    assert report.peak_copy_gbps([{"gbps": 1.0}, {"gbps": 3.0}, {"gbps": None}]) == 3.0
-    assert report.gbps(2e9, 1.0) == 2.0
+def test_plan_groups_dtypes_and_sizes():
+    args = cli.build_parser().parse_args(["--quick", "--workloads", "add_relu,bias_add_relu,mlp"])
+    plan = cli.plan_groups(args, is_gpu=False)
+    ops = [p for p in plan if p[0] == "op"]
+    assert {p[2] for p in ops} == {"float32", "bfloat16", "float16"}
+    # bias_add_relu: 2^20 and 1024x1024 are one shape
+    assert len([p for p in ops if p[1] == "bias_add_relu" and p[2] == "float32"]) == 3
+    assert [p for p in plan if p[0] == "model"] == [("model", "mlp", "float32", (32, 64, 4))]
+    gpu = cli.plan_groups(args, is_gpu=True)
+    assert {p[2] for p in gpu if p[0] == "model"} == {"float32", "bfloat16"}
+    explicit = cli.plan_groups(cli.build_parser().parse_args(
+        ["--quick", "--workloads", "mlp", "--dtypes", "float64"]), is_gpu=False)
+    assert explicit == [("model", "mlp", "float64", (32, 64, 4))]
+    rb = cli.plan_groups(cli.build_parser().parse_args(
+        ["--workloads", "resnet_block", "--model-shape", "2x8x8x16", "--model-dtypes", "bfloat16"]), is_gpu=False)
+    assert rb == [("model", "resnet_block", "bfloat16", (2, 8, 8, 16))]
 
 
-def test_progress_bar_only_on_a_tty():
-    buf = io.StringIO()
-    p = report.Progress(3, enabled=True, stream=buf)
-    p.step("x")
-    p.close()
-    assert buf.getvalue() == ""  # StringIO is not a tty
-
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
-    tty = Tty()
-    p = report.Progress(2, enabled=True, stream=tty)
-    p.step("first")
-    assert "[" in tty.getvalue() and "1/2" in tty.getvalue()
-    off = Tty()
-    report.Progress(2, enabled=False, stream=off).step("x")
-    assert off.getvalue() == ""
+def test_stats_samples_are_in_records():
+    r = _rec("xla", [3.0, 1.0, 2.0])
+    assert r["samples_s"] == [3.0, 1.0, 2.0] and r["median_s"] == 2.0
+    assert isinstance(Stats(1.0, 1.0, 1.0, 1).samples, tuple)

@@ -1,10 +1,27 @@
-"""`jaxfuse-bench`: the fused add+ReLU custom call against XLA's own fusion and
-the unfused two-kernel path -- a terminal table, JSON (``--json``) and a plot
-(``--plot``, needs the ``plot`` extra).  Also ``python -m jaxfuse.bench``.
+"""`jaxfuse-bench`: jaxfuse against XLA's own fusion -- a terminal table, JSON
+(``--json``), a plot (``--plot``, needs the ``plot`` extra) and a comparison
+with an earlier run (``--compare OLD.json [--against NEW.json]``).  Also
+``python -m jaxfuse.bench``.
 
-Modules: ``timing`` (interleaved medians, cache rotation), ``workloads`` (the
-modes, workloads and byte counts), ``report`` (records, table, verdicts, JSON,
-progress bar), ``plot`` (matplotlib), ``cli`` (argument parsing and the run).
+What is measured:
+
+* op workloads (``add_relu``, ``bias_add_relu``) over a size sweep, in modes
+  ``unfused`` (two executables), ``xla`` (``jax.jit``) and ``jaxfuse``
+  (``jaxfuse.optimize(policy="always")``: for op workloads the jaxfuse mode
+  always runs the kernel, so it measures the kernel);
+* model workloads (``relu_add`` ... ``stax_resnet50``, see ``models``) in modes
+  ``xla``, ``jaxfuse`` (the default ``policy="auto"``) and ``jaxfuse-always``;
+
+each in two timing modes, ``latency`` (every call waited for) and
+``throughput`` (K calls back to back, one wait), interleaved, with the paired
+95% interval of every time ratio to xla deciding BEATS / TIES / LOSES, and every
+record's GB/s as a share of a reference copy bandwidth measured in the same run.
+
+Modules: ``timing`` (timing modes, interleaving, cache rotation, ratio CIs),
+``reference`` (the copy-bandwidth ceiling), ``workloads`` (op modes, bytes,
+inspection), ``models`` (model workloads), ``report`` (records, table,
+verdicts, progress, JSON), ``compare`` (``--compare``), ``plot`` (matplotlib),
+``cli`` (argument parsing and the run).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import os
 import platform as _platform
@@ -10,7 +11,11 @@ import re
 import sys
 import time
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+DEFAULT_DTYPES = ("float32", "bfloat16", "float16")
+# Model workloads run in these unless --model-dtypes (or an explicit --dtypes) says otherwise:
+# on a CPU the half-precision convolutions are emulated and slow, and say nothing new.
+DEFAULT_MODEL_DTYPES = {"cpu": ("float32",), "gpu": ("float32", "bfloat16")}
 HEADLINE = (1024, 1024)
 QUICK_SIZES = [1 << 16, 1 << 18, 1 << 20, HEADLINE]
 # Full sweep: 2^16 ... 2^26 in powers of 2 on GPU.  On CPU it stops at 2^24:
@@ -19,7 +24,7 @@ QUICK_SIZES = [1 << 16, 1 << 18, 1 << 20, HEADLINE]
 # cases of that would take many minutes for no new information (the CPU curve
 # is flat once the data is well past the L3).
 GPU_MAX_LOG2, CPU_MAX_LOG2 = 26, 24
-MODEL_SHAPE = {"quick": (4, 16, 16, 64), "cpu": (8, 32, 32, 64), "gpu": (32, 56, 56, 64)}
+REFERENCE_EVERY_S = 30.0
 
 
 def parse_size(tok: str):
@@ -49,45 +54,70 @@ def _choice_list(choices):
         bad = [t for t in items if t not in choices]
         if bad or not items:
             raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}; got {text!r}")
-        return items
+        return list(dict.fromkeys(items))
 
     return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .workloads import MODES, WORKLOADS
+    from .models import MODEL_WORKLOADS
+    from .timing import TIMING_MODES
+    from .workloads import MODES, OP_WORKLOADS
 
+    workloads = OP_WORKLOADS + MODEL_WORKLOADS
     p = argparse.ArgumentParser(
         prog="jaxfuse-bench",
-        description="Time jaxfuse's fused add+ReLU custom call against XLA's own fusion "
-        "and an unfused two-kernel pipeline; print a table, optionally write JSON and a plot.",
+        description="Time jaxfuse against XLA's own fusion: the fused op against jax.jit and an "
+        "unfused two-kernel pipeline over a size sweep, and model-level programs (MLPs, CNNs, a "
+        "training step, ResNet-50) under jaxfuse.optimize's default and 'always' policies, in "
+        "latency and throughput timing, with paired 95% confidence intervals and a copy-bandwidth "
+        "reference measured in the same run.",
     )
     p.add_argument("--quick", action="store_true",
-                   help="a short run (sizes 2^16, 2^18, 2^20, 1024x1024; fewer repetitions; "
-                   "a small ResNet block): under a minute on a CPU")
+                   help="a short run (sizes 2^16, 2^18, 2^20, 1024x1024; 10 repetitions; small "
+                   "models): 2-3 minutes on a 2-core CPU")
     p.add_argument("--sizes", type=_size_list, default=None,
-                   help="comma-separated element counts (65536, 2^16, 1<<16) or shapes "
+                   help="op workloads: comma-separated element counts (65536, 2^16, 1<<16) or shapes "
                    "(1024x1024); default: 1024x1024 plus 2^16..2^26 (GPU) / 2^24 (CPU) in powers of 2")
-    p.add_argument("--dtypes", type=_choice_list(DTYPES), default=list(DTYPES),
-                   help="comma-separated, default: float32,bfloat16,float16")
+    p.add_argument("--dtypes", type=_choice_list(DTYPES), default=None,
+                   help="comma-separated from float32,bfloat16,float16,float64 (float64 runs under "
+                   "jax.enable_x64); default: float32,bfloat16,float16")
+    p.add_argument("--model-dtypes", type=_choice_list(DTYPES), default=None,
+                   help="dtypes of the model workloads; default: those of an explicit --dtypes, "
+                   "else float32 (CPU) / float32,bfloat16 (GPU)")
     p.add_argument("--modes", type=_choice_list(MODES), default=list(MODES),
-                   help="comma-separated subset of unfused,xla,jaxfuse (default: all)")
-    p.add_argument("--workloads", type=_choice_list(WORKLOADS), default=list(WORKLOADS),
-                   help="comma-separated subset of add_relu,bias_add_relu,resnet_block (default: all)")
+                   help="comma-separated subset of unfused,xla,jaxfuse,jaxfuse-always (default: all; "
+                   "op workloads run unfused/xla/jaxfuse, where jaxfuse is policy=\"always\"; model "
+                   "workloads xla/jaxfuse (policy=\"auto\")/jaxfuse-always)")
+    p.add_argument("--workloads", type=_choice_list(workloads), default=list(workloads),
+                   help="comma-separated subset of " + ",".join(workloads) + " (default: all)")
+    p.add_argument("--timing", type=_choice_list(TIMING_MODES), default=list(TIMING_MODES),
+                   help="timing modes: latency (each call waited for), throughput (K calls back to "
+                   "back, one wait); default: latency,throughput")
     p.add_argument("--reps", type=int, default=None,
                    help="timed samples per mode and case (default 10 quick, 30 CPU, 50 GPU)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per case first (default 3)")
     p.add_argument("--target-batch-ms", type=float, default=None,
                    help="calls per sample are batched to last about this long (default 2, quick 1)")
     p.add_argument("--model-shape", type=lambda s: tuple(int(x) for x in s.lower().split("x")),
-                   default=None, help="NxHxWxC of the ResNet block input "
+                   default=None, help="NxHxWxC of the resnet_block input "
                    "(default 4x16x16x64 quick, 8x32x32x64 CPU, 32x56x56x64 GPU)")
     p.add_argument("--no-rotate", action="store_true",
                    help="time one input set over and over (measures the cache for small sizes)")
+    p.add_argument("--ref-reps", type=int, default=None,
+                   help="repetitions of the reference copy (default 5 quick, 9 otherwise)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="start no new case after this many seconds; the rest are listed as "
+                   "skipped and the run finishes normally (table, JSON, plot)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="write all measurements as JSON")
-    p.add_argument("--plot", metavar="PATH.png", help="write GB/s vs size with the copy roofline (needs matplotlib)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--json", metavar="PATH", help="write all measurements as JSON (only if given)")
+    p.add_argument("--plot", metavar="PATH.png", help="write the plot (needs matplotlib; only if given)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (default: a bar on a terminal, a line per case otherwise)")
+    p.add_argument("--compare", metavar="OLD.json",
+                   help="after the run, print per-case changes against OLD.json")
+    p.add_argument("--against", metavar="NEW.json",
+                   help="with --compare: compare OLD.json with NEW.json and exit, without running")
     return p
 
 
@@ -102,35 +132,89 @@ def _kernel_platform(device) -> str:
     return "cuda" if device.platform in ("gpu", "cuda") else device.platform
 
 
+def model_dtypes(args, is_gpu: bool) -> list[str]:
+    if args.model_dtypes is not None:
+        return list(args.model_dtypes)
+    if args.dtypes is not None:
+        return list(args.dtypes)
+    return list(DEFAULT_MODEL_DTYPES["gpu" if is_gpu else "cpu"])
+
+
 def plan_groups(args, is_gpu: bool) -> list[tuple]:
-    """[(workload, dtype, size_or_model_shape)] in run order, op shapes de-duplicated."""
+    """[(kind, workload, dtype, size)] in run order: per dtype, the op sweep
+    (shapes de-duplicated) and then the model workloads."""
+    from . import models
     from .workloads import OP_WORKLOADS, op_shapes
 
     sizes = args.sizes if args.sizes is not None else _default_sizes(is_gpu, args.quick)
+    key = "quick" if args.quick else ("gpu" if is_gpu else "cpu")
+    op_dtypes = list(args.dtypes if args.dtypes is not None else DEFAULT_DTYPES)
+    m_dtypes = model_dtypes(args, is_gpu)
     plan = []
-    for dt in args.dtypes:
+    for dt in list(dict.fromkeys(op_dtypes + m_dtypes)):
         for wl in args.workloads:
             if wl in OP_WORKLOADS:
+                if dt not in op_dtypes:
+                    continue
                 seen = set()
                 for s in sizes:
                     shp = op_shapes(wl, s)[0]
                     if shp not in seen:
                         seen.add(shp)
-                        plan.append((wl, dt, s))
-            else:
-                shape = args.model_shape or MODEL_SHAPE["quick" if args.quick else ("gpu" if is_gpu else "cpu")]
-                plan.append((wl, dt, shape))
+                        plan.append(("op", wl, dt, s))
+            elif dt in m_dtypes:
+                override = args.model_shape if wl == "resnet_block" else None
+                plan.append(("model", wl, dt, models.size_for(wl, key, override)))
     return plan
 
 
+def _size_json(size):
+    return list(size) if isinstance(size, tuple) else int(size)
+
+
+def _label(wl, dt, size) -> str:
+    return f"{wl} {dt} {size if not isinstance(size, tuple) else 'x'.join(map(str, size))}"
+
+
+def _detail(recs) -> str:
+    """One progress line's summary of a finished case."""
+    parts = []
+    for tm in dict.fromkeys(r["timing_mode"] for r in recs):
+        bits = []
+        for r in recs:
+            if r["timing_mode"] != tm:
+                continue
+            if r["mode"] == "xla":
+                bits.append(f"xla {r['median_s'] * 1e6:.1f}us")
+            elif r["mode"] in ("jaxfuse", "jaxfuse-always") and r.get("ratio_median") is not None:
+                bits.append(f"{r['mode']} {r['ratio_median']:.2f}x {r['verdict']}")
+        parts.append(f"{tm} " + ", ".join(bits))
+    return "; ".join(parts)
+
+
 def run(args) -> int:
+    from . import compare as _compare
+
+    if args.against and not args.compare:
+        print("jaxfuse-bench: --against needs --compare OLD.json", file=sys.stderr)
+        return 2
+    if args.compare:
+        try:
+            old = _compare.load(args.compare)
+            new = _compare.load(args.against) if args.against else None
+        except (OSError, ValueError) as e:
+            print(f"jaxfuse-bench: {e}", file=sys.stderr)
+            return 2
+        if new is not None:
+            print(_compare.format_compare(old, new, args.compare, args.against))
+            return 0
+
     import jax
     import jaxlib
 
     import jaxfuse
 
-    from . import report, timing, workloads
-    from .workloads import COPY, OP_WORKLOADS
+    from . import models, reference, report, timing, workloads
 
     device = jax.devices()[0]
     is_gpu = device.platform in ("gpu", "cuda")
@@ -145,10 +229,12 @@ def run(args) -> int:
     cache_bytes, cache_src = timing.last_level_cache(device)
 
     reps = args.reps or (10 if args.quick else (50 if is_gpu else 30))
+    ref_reps = args.ref_reps or (5 if args.quick else 9)
     target = (args.target_batch_ms or (1.0 if args.quick else 2.0)) * 1e-3
     plan = plan_groups(args, is_gpu)
 
     payload = {
+        "schema": 2,
         "device": f"{device.platform}:{device.id} {device.device_kind}",
         "platform": device.platform,
         "device_kind": device.device_kind,
@@ -159,10 +245,10 @@ def run(args) -> int:
         "jaxfuse_from": "installed package" if "site-packages" in jaxfuse.__file__ else "source tree",
         "python": _platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "copy_gbps": None,
-        "copy_method": "jax.jit(lax.neg): one read + one write per element, counted as 2 passes",
-        "pct_of_copy_basis": "100 * gbps / copy_gbps (the run's peak copy rate); "
-                             "pct_of_copy_same_size: against the copy of the same shape and dtype",
+        "reference": None,
+        "reference_gbps": None,
+        "reference_runs": [],
+        "pct_of_roofline_basis": "100 * gbps / reference_gbps; above 105% is a measurement error",
         "kernels": kernels,
         "kernel_platform": kplat,
         "kernels_disabled_by_env": disabled,
@@ -175,69 +261,122 @@ def run(args) -> int:
         "settings": {
             "quick": bool(args.quick), "reps": reps, "warmup": args.warmup,
             "target_batch_s": target, "rotate": not args.no_rotate,
-            "dtypes": args.dtypes, "modes": args.modes, "workloads": args.workloads,
-            "timing": ("per sample: mean of K calls, " + (
-                "each dispatched and blocked on (CPU)" if not is_gpu else
-                "dispatched back to back, one block at the end (GPU)") +
-                "; median/min/max over reps samples; modes interleaved per repetition"),
+            "dtypes": list(args.dtypes or DEFAULT_DTYPES), "model_dtypes": model_dtypes(args, is_gpu),
+            "modes": args.modes, "workloads": args.workloads, "timing_modes": args.timing,
+            "timing": {
+                "latency": "each call dispatched and blocked on; a sample is the mean of K such calls",
+                "throughput": "K calls dispatched back to back, one block_until_ready on all K outputs",
+                "rounds": "every (mode, timing mode) of a case sampled once per round, order rotated "
+                          "per round; ratios are paired per round",
+            },
+            "op_jaxfuse_policy": "always",
         },
         "complete": False,
-        "copy": [],
         "records": [],
+        "skipped": [],
+        "errors": [],
     }
 
-    if "jaxfuse" in args.modes and (not have_kernel or disabled):
+    if any(m in args.modes for m in workloads.JAXFUSE_MODES) and (not have_kernel or disabled):
         reason = "JAXFUSE_DISABLE_KERNELS=1" if disabled else why
         payload["fallback"] = True
         payload["fallback_note"] = (
-            f"jaxfuse has no usable {kplat} kernel ({reason}): the jaxfuse mode runs the "
-            f"FALLBACK lowering (XLA's own max(add)), NOT the jaxfuse kernel"
+            f"jaxfuse has no usable {kplat} kernel ({reason}): the jaxfuse modes run the "
+            f"FALLBACK lowering (XLA's own ops), NOT the jaxfuse kernels"
         )
         print(report.fallback_banner(payload), file=sys.stderr)
 
-    prog = report.Progress(len(plan), enabled=not args.no_progress)
+    prog = report.Progress(len(plan) + 2, enabled=not args.no_progress)
     t_start = time.perf_counter()
-    for wl, dt, size in plan:
-        label = f"{wl} {dt} {size if not isinstance(size, tuple) else 'x'.join(map(str, size))}"
-        prog.draw(label)
-        if wl in OP_WORKLOADS:
-            group = workloads.op_group(wl, size, dt, args.modes, cache_bytes, seed=args.seed,
-                                       rotate=not args.no_rotate)
+
+    # The reference is measured at the start, at the end and every
+    # REFERENCE_EVERY_S in between; the fastest counts.  A copy timed while
+    # something else holds a core reads low (measured on the shared 2-core VM:
+    # 23 to 31 GB/s between runs), and a ceiling must not be.
+    last_ref = [0.0]
+
+    def measure_reference(when, step=True):
+        prog.draw(f"reference copy ({when})")
+        ref = reference.measure(device, cache_bytes, reps=ref_reps)
+        last_ref[0] = time.perf_counter()
+        payload["reference_runs"].append({"when": when, "gbps": ref.gbps, "median_s": ref.median_s,
+                                          "label": ref.label})
+        best = payload["reference"]
+        if best is None or ref.gbps > best["gbps"]:
+            payload["reference"] = ref.as_dict()
+            payload["reference_gbps"] = ref.gbps
+        if step:
+            prog.step(f"reference copy ({when})", f"{ref.gbps:.1f} GB/s, {ref.label}")
         else:
-            group = workloads.model_group(size, dt, args.modes, cache_bytes, seed=args.seed,
-                                          rotate=not args.no_rotate)
-        results = timing.measure_interleaved(group.cases, reps=reps, warmup=args.warmup,
-                                             target_batch_s=target, block_each=not is_gpu)
-        cstats, _ = results[COPY]
-        cbytes = group.bytes[COPY]
-        copy_gbps = report.gbps(cbytes, cstats.median)
-        payload["copy"].append({
-            "workload": wl, "dtype": group.dtype, "shape": list(group.shape),
-            "elements": group.elements, "bytes": cbytes, "median_s": cstats.median,
-            "min_s": cstats.min, "max_s": cstats.max, "gbps": copy_gbps,
-        })
-        for mode, (stats, k) in results.items():
-            if mode == COPY:
+            prog.note(f"reference copy ({when}): {ref.gbps:.1f} GB/s")
+
+    measure_reference("start")
+    rc = 0
+    for kind, wl, dt, size in plan:
+        label = _label(wl, dt, size)
+        if args.time_budget is not None and time.perf_counter() - t_start > args.time_budget:
+            payload["skipped"].append({"workload": wl, "dtype": dt, "size": _size_json(size),
+                                       "reason": f"time budget of {args.time_budget:g}s spent"})
+            prog.step(label, "skipped: time budget spent")
+            continue
+        if time.perf_counter() - last_ref[0] > REFERENCE_EVERY_S:
+            measure_reference(f"after {time.perf_counter() - t_start:.0f}s", step=False)
+        prog.draw(label)
+        ctx = jax.enable_x64(True) if dt == "float64" else contextlib.nullcontext()
+        with ctx:
+            try:
+                if kind == "op":
+                    group = workloads.op_group(wl, size, dt, args.modes, cache_bytes, seed=args.seed,
+                                               rotate=not args.no_rotate)
+                else:
+                    group = models.model_group(wl, size, dt, args.modes, cache_bytes, seed=args.seed,
+                                               rotate=not args.no_rotate)
+                if not group.cases:
+                    raise models.Skip(f"none of the modes {args.modes} applies to it")
+                results = timing.measure(group.cases, args.timing, reps=reps, warmup=args.warmup,
+                                         target_batch_s=target)
+            except models.Skip as e:
+                # The reason is printed with the results too (stdout).
+                payload["skipped"].append({"workload": wl, "dtype": dt, "size": _size_json(size),
+                                           "reason": str(e)})
+                if prog.bar:
+                    prog.note(f"skipping {label}: {e}")
+                prog.step(label, f"skipped: {e}")
                 continue
-            calls, sites = group.custom_calls.get(mode, 0), group.sites.get(mode, 0)
-            if mode != "jaxfuse":
-                impl = "xla"
-            elif calls > 0:
-                impl = "kernel"  # lowered to our custom call
-            elif sites == 0:
-                impl = "no-rewrite"  # the pass found nothing to fuse: plain XLA
-            else:
-                impl = "fallback"  # fused primitive, but lowered to XLA's max(add)
-            payload["records"].append(report.make_record(
-                mode=mode, workload=wl, shape=group.shape, dtype=group.dtype, stats=stats,
-                nbytes=group.bytes[mode], copy_gbps=copy_gbps, xla_bytes=group.xla_bytes.get(mode),
-                impl=impl, custom_calls=calls, sites=sites, batch=k, buffer_sets=group.buffer_sets,
+            except Exception as e:  # noqa: BLE001 - one broken workload must not sink the run
+                err = f"{type(e).__name__}: {e}"
+                payload["errors"].append({"workload": wl, "dtype": dt, "error": err})
+                if prog.bar:
+                    prog.note(f"jaxfuse-bench: {label} FAILED: {err}")
+                else:
+                    print(f"jaxfuse-bench: {label} FAILED: {err}", file=sys.stderr)
+                prog.step(label, "FAILED")
+                rc = 1
+                continue
+        recs = []
+        for (mode, tm), (stats, k) in results.items():
+            ins = group.inspections[mode]
+            recs.append(report.make_record(
+                mode=mode, workload=wl, kind=group.kind, shape=group.shape, dtype=group.dtype,
+                timing_mode=tm, stats=stats, nbytes=group.bytes[mode],
+                reference_gbps=payload["reference_gbps"], xla_bytes=ins.xla_bytes, impl=ins.impl,
+                policy=group.policies.get(mode), custom_calls=ins.custom_calls, sites=ins.sites,
+                declined=ins.declined, rejected=ins.rejected, batch=k,
+                buffer_sets=group.buffer_sets, bytes_source=group.bytes_source,
             ))
+        xla_ins = group.inspections.get("xla")
+        for r in recs:
+            fp = group.inspections[r["mode"]].fingerprint
+            r["same_program_as_xla"] = (None if r["mode"] == "xla" or xla_ins is None or fp is None
+                                        or xla_ins.fingerprint is None else fp == xla_ins.fingerprint)
+        report.attach_ratios(recs)
+        payload["records"].extend(recs)
         del group, results
-        prog.step(label)
+        prog.step(label, _detail(recs))
         if args.json:
             _finish_payload(payload)
             report.write_json(args.json, report.sanitize(payload))
+    measure_reference("end")
     prog.close()
 
     payload["complete"] = True
@@ -246,28 +385,33 @@ def run(args) -> int:
     _finish_payload(payload)
     payload = report.sanitize(payload)
 
-    banner = report.fallback_banner(payload)
+    print(report.legend(payload["reference"]))
+    print()
     print(report.format_table(payload["records"]))
     print()
-    cg = payload["copy_gbps"]
-    print(f"copy bandwidth (peak of jax.jit(lax.neg) over this run): "
-          f"{cg:.1f} GB/s" if cg else "copy bandwidth: not measured")
+    for line in report.roofline_summary(payload["records"], payload["reference"]):
+        print(line)
     print(f"device: {payload['device']}   jax {payload['jax_version']}   kernels: {kernels}   "
           f"{len(payload['records'])} records in {payload['wall_s']:.1f}s   "
           f"load average {payload['loadavg_start']} -> {payload['loadavg_end']} on {os.cpu_count()} CPUs")
-    print("columns: t/xla = median time / xla's median time (< 1: faster than XLA); "
-          "unf/jf = unfused time / jaxfuse time; % copy = GB/s as % of the peak copy rate")
-    sp = report.spread(payload["records"])
-    if sp is not None:
-        print(f"sample spread: median (max-min)/median over all records = {sp:.0%}; a difference "
-              f"between modes smaller than the spread of their samples is noise")
     print()
     for v in report.verdicts(payload["records"]):
         print(v)
+    budget = [s for s in payload["skipped"] if s["reason"].startswith("time budget")]
+    for s in payload["skipped"]:
+        if s not in budget:
+            print(f"skipped {s['workload']} {s['dtype']}: {s['reason']}")
+    if budget:
+        print(f"skipped {len(budget)} case{'s' * (len(budget) != 1)} (time budget of "
+              f"{args.time_budget:g}s spent): " + ", ".join(
+                  _label(s["workload"], s["dtype"], tuple(s["size"]) if isinstance(s["size"], list)
+                         else s["size"]) for s in budget))
+    for e in payload["errors"]:
+        print(f"FAILED {e['workload']} {e['dtype']}: {e['error']}")
+    banner = report.fallback_banner(payload)
     if banner:
         print(banner)
 
-    rc = 0
     if args.json:
         report.write_json(args.json, payload)
         print(f"wrote {args.json}")
@@ -280,6 +424,9 @@ def run(args) -> int:
         except PlotUnavailable as e:
             print(f"jaxfuse-bench: {e}", file=sys.stderr)
             rc = 1
+    if args.compare:
+        print()
+        print(_compare.format_compare(old, payload, args.compare, args.json))
     return rc
 
 
@@ -293,23 +440,32 @@ def _loadavg():
 
 def _finish_payload(payload: dict) -> None:
     from . import report
+    from .workloads import JAXFUSE_MODES
 
-    payload["copy_gbps"] = report.peak_copy_gbps(payload["copy"])
-    report.set_pct_of_copy(payload["records"], payload["copy_gbps"])
-    jf = [r for r in payload["records"] if r["mode"] == "jaxfuse"]
-    bad = [r for r in jf if r["impl"] != "kernel"]
+    report.set_roofline(payload["records"], payload["reference_gbps"])
+    payload["over_roofline_records"] = sum(bool(r.get("over_roofline")) for r in payload["records"])
+    jf = [r for r in payload["records"] if r["mode"] in JAXFUSE_MODES]
+    # Not running the kernel is expected where the cost model declined a model
+    # site (impl "declined"/"no-rewrite"); it is a FALLBACK where sites were
+    # fused but no custom call was emitted, or where an op-level jaxfuse mode
+    # (policy "always": the kernel is what it measures) has none.
+    bad = [r for r in jf if r["impl"] == "fallback" or (r.get("kind") == "op" and r["impl"] != "kernel")]
     if jf:
         payload["fallback"] = bool(bad)
         if bad and not payload.get("fallback_note"):
             kinds = sorted({r["impl"] for r in bad})
             payload["fallback_note"] = (
                 f"in {len(bad)} of {len(jf)} jaxfuse measurements the program had no jaxfuse "
-                f"custom call (impl: {', '.join(kinds)}): those ran XLA's own code, NOT the jaxfuse kernel"
+                f"custom call where it should (impl: {', '.join(kinds)}): those ran XLA's own code, "
+                f"NOT the jaxfuse kernel"
             )
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.reps is not None and args.reps < 1:
-        build_parser().error("--reps must be >= 1")
+        parser.error("--reps must be >= 1")
+    if args.ref_reps is not None and args.ref_reps < 1:
+        parser.error("--ref-reps must be >= 1")
     return run(args)

@@ -1,4 +1,11 @@
-"""Records, the terminal table, the verdicts, the progress bar and the JSON file."""
+"""Records, the terminal table, the verdicts, progress output and the JSON file.
+
+Verdicts come from confidence intervals, not from a fixed tolerance: for every
+compared case the jaxfuse/xla time ratio's 95% interval is bootstrapped from
+the paired, interleaved samples (``timing.ratio_ci``).  A case BEATS XLA when
+the whole interval is below 1, LOSES when it is wholly above 1, and otherwise
+TIES -- the samples cannot tell the two apart.
+"""
 
 from __future__ import annotations
 
@@ -10,61 +17,128 @@ import sys
 import time
 from typing import IO, Iterable, Sequence
 
-TIE = 0.02  # |jaxfuse/xla - 1| within this is a tie
+from . import reference as _ref
+from .timing import TIMING_MODES, ratio_ci
+
+BEATS, TIES, LOSES = "BEATS", "TIES", "LOSES"
+MODE_ORDER = ("unfused", "xla", "jaxfuse", "jaxfuse-always")
+JAXFUSE_MODES = ("jaxfuse", "jaxfuse-always")
 
 
 def gbps(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
 
 
-def make_record(*, mode, workload, shape, dtype, stats, nbytes, copy_gbps, xla_bytes=None,
-                impl="xla", custom_calls=0, sites=0, batch=1, buffer_sets=1) -> dict:
-    """One JSON record.  ``pct_of_copy`` is filled in by ``set_pct_of_copy`` once
-    the run's peak copy bandwidth is known; ``pct_of_copy_same_size`` compares
-    with the copy timed at the same shape and dtype (same launch overhead and
-    cache regime), which small, overhead-bound sizes can exceed."""
+def human_bytes(n: float | None) -> str:
+    """1536 -> '1.5 KiB'; binary units."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:.3g} {unit}" if n < 100 else f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.0f} TiB"  # pragma: no cover
+
+
+def make_record(*, mode, workload, shape, dtype, stats, nbytes, timing_mode="latency", kind="op",
+                reference_gbps=None, xla_bytes=None, impl="xla", policy=None, custom_calls=0,
+                sites=0, declined=0, rejected=0, batch=1, buffer_sets=1,
+                bytes_source="analytic") -> dict:
+    """One JSON record.  ``ratio_*`` and ``verdict`` are filled in by
+    ``attach_ratios`` once the group's xla record is known;
+    ``pct_of_roofline`` by ``set_roofline`` (and again at the end of the run)."""
     g = gbps(nbytes, stats.median)
+    pct = _ref.pct(g, reference_gbps)
     return {
         "mode": mode,
         "workload": workload,
+        "kind": kind,
         "shape": list(shape),
         "elements": int(math.prod(shape)),
         "dtype": dtype,
+        "timing_mode": timing_mode,
         "median_s": stats.median,
         "min_s": stats.min,
         "max_s": stats.max,
-        "bytes": int(nbytes),
-        "gbps": g,
-        "pct_of_copy": None,
-        "copy_gbps_same_size": copy_gbps,
-        "pct_of_copy_same_size": 100.0 * g / copy_gbps if copy_gbps and copy_gbps > 0 else None,
-        "xla_bytes": xla_bytes,
-        "impl": impl,
-        "custom_calls": int(custom_calls),
-        "fused_sites": int(sites),
+        "samples_s": list(stats.samples),
         "reps": stats.n,
         "batch": int(batch),
+        "bytes": int(nbytes),
+        "bytes_source": bytes_source,
+        "gbps": g,
+        "pct_of_roofline": pct,
+        "over_roofline": _ref.over(pct),
+        "xla_bytes": xla_bytes,
+        "impl": impl,
+        "policy": policy,
+        "custom_calls": int(custom_calls),
+        "fused_sites": int(sites),
+        "declined_sites": int(declined),
+        "rejected_sites": int(rejected),
         "buffer_sets": int(buffer_sets),
+        "same_program_as_xla": None,
+        "ratio_median": None,
+        "ratio_ci": None,
+        "verdict": None,
     }
 
 
-# --------------------------------------------------------------- progress bar
+def classify(low: float, high: float) -> str:
+    """BEATS / TIES / LOSES from a time-ratio interval (ratio = jaxfuse / xla)."""
+    if high < 1.0:
+        return BEATS
+    if low > 1.0:
+        return LOSES
+    return TIES
+
+
+def attach_ratios(records: Sequence[dict]) -> None:
+    """For each record of one group that is not ``xla``: the paired ratio of its
+    time to xla's, same timing mode (median and 95% interval) and the verdict;
+    for ``jaxfuse`` beside ``unfused``: the paired speed-up over unfused."""
+    by = {(r["timing_mode"], r["mode"]): r for r in records}
+    for r in records:
+        if r["mode"] == "xla":
+            continue
+        xla = by.get((r["timing_mode"], "xla"))
+        if xla is not None and r.get("samples_s") and xla.get("samples_s"):
+            med, lo, hi = ratio_ci(r["samples_s"], xla["samples_s"])
+            r["ratio_median"], r["ratio_ci"], r["verdict"] = med, [lo, hi], classify(lo, hi)
+        unf = by.get((r["timing_mode"], "unfused"))
+        if r["mode"] == "jaxfuse" and unf is not None and r.get("samples_s"):
+            med, lo, hi = ratio_ci(unf["samples_s"], r["samples_s"])
+            r["speedup_vs_unfused"], r["speedup_vs_unfused_ci"] = med, [lo, hi]
+
+
+# --------------------------------------------------------------- progress
 class Progress:
-    """A one-line text bar on stderr; silent when disabled or not a tty."""
+    """Progress on stderr: a one-line bar on a terminal, one line per finished
+    case otherwise (logs, CI); nothing when disabled."""
 
     def __init__(self, total: int, enabled: bool = True, stream: IO | None = None, width: int = 28):
         self.stream = stream if stream is not None else sys.stderr
         isatty = getattr(self.stream, "isatty", lambda: False)()
-        self.enabled = bool(enabled and isatty and total > 0)
+        self.bar = bool(enabled and isatty and total > 0)
+        self.lines = bool(enabled and not isatty)
+        self.enabled = self.bar or self.lines
         self.total, self.done, self.width = total, 0, width
         self.t0 = time.perf_counter()
 
-    def step(self, label: str = "") -> None:
+    def step(self, label: str = "", detail: str = "") -> None:
         self.done += 1
-        self.draw(label)
+        if self.lines:
+            el = time.perf_counter() - self.t0
+            text = f"[{self.done}/{self.total} {el:.0f}s] {label}"
+            self.stream.write(text + (f": {detail}" if detail else "") + "\n")
+            self.stream.flush()
+        else:
+            self.draw(label)
 
     def draw(self, label: str = "") -> None:
-        if not self.enabled:
+        if not self.bar:
             return
         frac = min(1.0, self.done / self.total)
         fill = int(round(frac * self.width))
@@ -74,23 +148,26 @@ class Progress:
         self.stream.write(line[:120].ljust(120))
         self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """A line that must not be overwritten by the bar (a skip, an error)."""
+        if not self.enabled:
+            return
+        if self.bar:
+            self.stream.write("\r" + " " * 120 + "\r")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
     def close(self) -> None:
-        if self.enabled:
+        if self.bar:
             self.stream.write("\r" + " " * 120 + "\r")
             self.stream.flush()
 
 
-def peak_copy_gbps(copies: Sequence[dict]) -> float | None:
-    """The run's copy bandwidth: the highest median copy rate over all sizes and dtypes."""
-    vals = [c["gbps"] for c in copies if c.get("gbps") and math.isfinite(c["gbps"])]
-    return max(vals) if vals else None
-
-
-def set_pct_of_copy(records: Sequence[dict], copy_gbps: float | None) -> None:
-    """``pct_of_copy = 100 * gbps / copy_gbps`` (the run's peak copy bandwidth)."""
+def set_roofline(records: Sequence[dict], reference_gbps: float | None) -> None:
+    """``pct_of_roofline = 100 * gbps / reference_gbps`` and the >105% flag."""
     for r in records:
-        ok = copy_gbps and r.get("gbps") is not None and math.isfinite(r["gbps"])
-        r["pct_of_copy"] = 100.0 * r["gbps"] / copy_gbps if ok else None
+        r["pct_of_roofline"] = _ref.pct(r.get("gbps"), reference_gbps)
+        r["over_roofline"] = _ref.over(r["pct_of_roofline"])
 
 
 # -------------------------------------------------------------------- table
@@ -104,43 +181,91 @@ def _fmt(x, spec, none="-"):
     return format(x, spec)
 
 
-def _groups(records: Iterable[dict]) -> dict[tuple, dict[str, dict]]:
-    out: dict[tuple, dict[str, dict]] = {}
+def _groups(records: Iterable[dict]) -> dict[tuple, dict[str, dict[str, dict]]]:
+    """(workload, dtype, shape) -> timing_mode -> mode -> record, in run order."""
+    out: dict[tuple, dict[str, dict[str, dict]]] = {}
     for r in records:
         key = (r["workload"], r["dtype"], tuple(r["shape"]))
-        out.setdefault(key, {})[r["mode"]] = r
+        out.setdefault(key, {}).setdefault(r.get("timing_mode", "latency"), {})[r["mode"]] = r
     return out
 
 
-def format_table(records: Sequence[dict]) -> str:
-    head = ("workload", "dtype", "shape", "mode", "median us", "min us", "max us",
-            "GB/s", "% copy", "t/xla", "unf/jf", "impl")
+def _us(s: float | None) -> str:
+    if s is None:
+        return "-"
+    us = s * 1e6
+    return f"{us:.1f}" if us < 1e5 else f"{us:.0f}"
+
+
+def legend(reference: dict | None) -> str:
+    ref = ""
+    if reference:
+        kind = "a ceiling" if reference.get("is_ceiling") else "NOT a ceiling"
+        ref = f" (reference: {reference.get('label')}, {reference.get('gbps', 0):.1f} GB/s, {kind})"
+    return "\n".join([
+        "timing: latency    = each call dispatched and waited for (block_until_ready after every call)",
+        "        throughput = K calls dispatched back to back, one wait at the end (as a training/"
+        "inference loop runs)",
+        "modes:  op workloads: unfused (two executables), xla (jax.jit), jaxfuse "
+        "(optimize, policy=\"always\": the kernel);",
+        "        model workloads: xla, jaxfuse (optimize, default policy=\"auto\"), "
+        "jaxfuse-always (policy=\"always\")",
+        f"columns: % roof = GB/s as % of the reference copy bandwidth{ref}; '!!' = above 105%: "
+        "a measurement error;",
+        "         t/xla = median of the paired per-round time ratios to xla, [95% CI] bootstrapped; "
+        "BEATS/LOSES only when the interval excludes 1;",
+        "         unf/jf = unfused time / jaxfuse time; sites/calls = sites the pass fused / "
+        "jaxfuse custom calls in the lowered program;",
+        "         impl (=xla): compiled to the same program as xla (names and debug info aside): "
+        "a difference is noise or dispatch",
+    ])
+
+
+TABLE_HEAD = ("workload", "dtype", "shape", "bytes", "timing", "mode", "median us", "min us",
+              "max us", "GB/s", "% roof", "t/xla", "95% CI", "verdict", "unf/jf", "impl",
+              "sites/calls")
+_LEFT = {0, 1, 2, 4, 5, 13, 15}
+
+
+def table_rows(records: Sequence[dict]) -> list[tuple]:
     rows = []
-    for (wl, dt, shape), by_mode in _groups(records).items():
-        xla = by_mode.get("xla")
-        unf = by_mode.get("unfused")
-        for mode in ("unfused", "xla", "jaxfuse"):
-            r = by_mode.get(mode)
-            if r is None:
-                continue
-            t_xla = r["median_s"] / xla["median_s"] if xla else None
-            unf_jf = unf["median_s"] / r["median_s"] if (unf and mode == "jaxfuse") else None
-            impl = r.get("impl", "")
-            if mode == "jaxfuse" and impl != "kernel":
-                impl = impl.upper() + "!"
-            rows.append((
-                wl, dt, _shape_str(shape), mode,
-                _fmt(r["median_s"] * 1e6, ".1f"), _fmt(r["min_s"] * 1e6, ".1f"),
-                _fmt(r["max_s"] * 1e6, ".1f"), _fmt(r["gbps"], ".1f"),
-                _fmt(r["pct_of_copy"], ".0f"), _fmt(t_xla, ".3f"),
-                _fmt(unf_jf, ".2f") if unf_jf is not None else "",
-                impl,
-            ))
+    for (wl, dt, shape), by_tm in _groups(records).items():
+        for tm in [t for t in TIMING_MODES if t in by_tm] + [t for t in by_tm if t not in TIMING_MODES]:
+            by_mode = by_tm[tm]
+            for mode in [m for m in MODE_ORDER if m in by_mode] + [m for m in by_mode if m not in MODE_ORDER]:
+                r = by_mode[mode]
+                ci = r.get("ratio_ci")
+                impl = r.get("impl", "")
+                if impl == "fallback":
+                    impl = "FALLBACK!"
+                if r.get("same_program_as_xla") and mode in JAXFUSE_MODES:
+                    impl += " (=xla)"
+                pct = _fmt(r.get("pct_of_roofline"), ".0f")
+                if r.get("over_roofline"):
+                    pct += "!!"
+                unf = r.get("speedup_vs_unfused")
+                sites = (f"{r.get('fused_sites', 0)}/{r.get('custom_calls', 0)}"
+                         if mode in JAXFUSE_MODES else "")
+                rows.append((
+                    wl, dt, _shape_str(shape), human_bytes(r.get("bytes")), tm, mode,
+                    _us(r["median_s"]), _us(r["min_s"]), _us(r["max_s"]),
+                    _fmt(r.get("gbps"), ".1f"), pct,
+                    _fmt(r.get("ratio_median"), ".3f", none=""),
+                    f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "",
+                    (r.get("verdict") or "") if mode in JAXFUSE_MODES else "",
+                    _fmt(unf, ".2f", none=""), impl, sites,
+                ))
+    return rows
+
+
+def format_table(records: Sequence[dict]) -> str:
+    head = TABLE_HEAD
+    rows = table_rows(records)
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    left = {0, 1, 2, 3, 11}
 
     def line(cells):
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i in _LEFT else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     out = [line(head), line(["-" * w for w in widths])]
     prev = None
@@ -153,71 +278,105 @@ def format_table(records: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
-def classify(ratio: float, tie: float = TIE) -> str:
-    """'beats', 'ties' or 'loses' for a jaxfuse/xla time ratio."""
-    if ratio < 1.0 - tie:
-        return "beats"
-    if ratio > 1.0 + tie:
-        return "loses"
-    return "ties"
+# ----------------------------------------------------------------- verdicts
+def _case_name(r: dict) -> str:
+    return f"{r['dtype']} {_shape_str(r['shape'])}"
+
+
+def verdict_counts(records: Sequence[dict]) -> dict[tuple, dict[str, list[dict]]]:
+    """(workload, dtype, mode, timing_mode) -> verdict -> records, jaxfuse modes only."""
+    out: dict[tuple, dict[str, list[dict]]] = {}
+    for r in records:
+        if r["mode"] not in JAXFUSE_MODES or not r.get("ratio_ci"):
+            continue
+        lo, hi = r["ratio_ci"]
+        v = classify(lo, hi)  # recomputed from the interval: the summary cannot disagree with it
+        key = (r["workload"], r["dtype"], r["mode"], r.get("timing_mode", "latency"))
+        out.setdefault(key, {BEATS: [], TIES: [], LOSES: []})[v].append(r)
+    return out
 
 
 def verdicts(records: Sequence[dict]) -> list[str]:
-    """One plain-language paragraph per workload: jaxfuse against XLA (and unfused)."""
-    per_wl: dict[str, list[tuple]] = {}
-    for (wl, dt, shape), by_mode in _groups(records).items():
-        per_wl.setdefault(wl, []).append((dt, shape, by_mode))
+    """One line per (workload, dtype, jaxfuse mode, timing mode): how many cases
+    BEAT, TIE with, LOSE to XLA by their intervals; then the op workloads'
+    speed-up over the unfused pair and a line on the model-level question."""
     lines = []
-    for wl, items in per_wl.items():
-        ratios, speedups, not_kernel = [], [], 0
-        for dt, shape, by in items:
-            jf, xla, unf = by.get("jaxfuse"), by.get("xla"), by.get("unfused")
-            if jf and xla:
-                ratios.append((jf["median_s"] / xla["median_s"], dt, shape))
-                if jf.get("impl") != "kernel":
-                    not_kernel += 1
-            if jf and unf:
-                speedups.append(unf["median_s"] / jf["median_s"])
-        if not ratios:
-            lines.append(f"{wl}: no jaxfuse/xla pair measured.")
-            continue
-        kinds = [classify(r) for r, _, _ in ratios]
-        n = len(ratios)
-        med = statistics.median(r for r, _, _ in ratios)
-        best = min(ratios, key=lambda t: t[0])
-        worst = max(ratios, key=lambda t: t[0])
-        word = {"beats": "BEATS", "ties": "TIES with", "loses": "LOSES to"}
-        per_dt = []
-        for dt in dict.fromkeys(d for _, d, _ in ratios):
-            rs = [r for r, d, _ in ratios if d == dt]
-            m = statistics.median(rs)
-            per_dt.append(f"{dt} {word[classify(m)]} XLA (median t/xla {m:.2f} over {len(rs)})")
-        text = (
-            f"{wl}: jaxfuse {word[classify(med)]} XLA overall (median time ratio jaxfuse/xla "
-            f"{med:.3f}); " + "; ".join(per_dt) + ". "
-            f"Faster in {kinds.count('beats')}, within +-{TIE:.0%} in {kinds.count('ties')}, "
-            f"slower in {kinds.count('loses')} of {n} cases; best {best[0]:.3f} at {best[1]} "
-            f"{_shape_str(best[2])}, worst {worst[0]:.3f} at {worst[1]} {_shape_str(worst[2])}."
-        )
-        if speedups:
-            faster = sum(s > 1.0 + TIE for s in speedups)
-            text += (
-                f" Against the unfused pair: faster in {faster} of {len(speedups)}, "
-                f"median speed-up {statistics.median(speedups):.2f}x."
-            )
+    counts = verdict_counts(records)
+    for (wl, dt, mode, tm), by in counts.items():
+        n = sum(len(v) for v in by.values())
+        rs = [r for v in by.values() for r in v]
+        med = statistics.median(r["ratio_median"] for r in rs)
+        policy = rs[0].get("policy") or ""
+        text = (f"{wl} {dt} {mode}{f' (policy={policy})' if policy else ''} [{tm}]: "
+                f"{len(by[BEATS])} BEATS, {len(by[TIES])} TIES, {len(by[LOSES])} LOSES "
+                f"of {n} case{'s' * (n != 1)} against XLA; median t/xla {med:.3f}")
+        if n == 1:
+            lo, hi = rs[0]["ratio_ci"]
+            text += f" [{lo:.3f}, {hi:.3f}]"
+        if by[LOSES]:
+            worst = max(by[LOSES], key=lambda r: r["ratio_median"])
+            lo, hi = worst["ratio_ci"]
+            text += f"; worst {worst['ratio_median']:.3f} [{lo:.3f}, {hi:.3f}] at {_case_name(worst)}"
+        same = [r for r in by[BEATS] + by[LOSES] if r.get("same_program_as_xla")]
+        if same:
+            text += (f". NOTE: {len(same)} of those BEATS/LOSES compiled to the very same program as "
+                     f"xla (=xla): that difference is noise (drift, other load) or dispatch, not the "
+                     f"compiled program")
+        not_kernel = [r for r in rs if r.get("kind", "op") == "op" and r.get("impl") != "kernel"]
         if not_kernel:
-            text += (
-                f" CAUTION: in {not_kernel} of {n} cases the jaxfuse mode did NOT run the "
-                f"jaxfuse kernel (see impl), so those compare XLA with XLA."
-            )
-        lines.append(text)
+            text += (f". CAUTION: in {len(not_kernel)} of {n} the jaxfuse mode did NOT run the "
+                     f"jaxfuse kernel (impl), so those compare XLA with XLA")
+        lines.append(text + ".")
+    # The unfused pair.
+    per: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r["mode"] == "jaxfuse" and r.get("speedup_vs_unfused_ci"):
+            per.setdefault((r["workload"], r.get("timing_mode", "latency")), []).append(r)
+    for (wl, tm), rs in per.items():
+        faster = sum(r["speedup_vs_unfused_ci"][0] > 1.0 for r in rs)
+        slower = sum(r["speedup_vs_unfused_ci"][1] < 1.0 for r in rs)
+        med = statistics.median(r["speedup_vs_unfused"] for r in rs)
+        lines.append(f"{wl} [{tm}]: jaxfuse against the unfused pair: faster in {faster}, slower "
+                     f"in {slower}, indistinguishable in {len(rs) - faster - slower} of {len(rs)} "
+                     f"(95% CI); median speed-up {med:.2f}x.")
+    # The model-level question: is the default policy ever slower than XLA?
+    auto = [r for r in records if r.get("kind") == "model" and r["mode"] == "jaxfuse"
+            and r.get("ratio_ci")]
+    if auto:
+        losing = [r for r in auto if classify(*r["ratio_ci"]) == LOSES]
+        text = (f"model workloads, jaxfuse with the default policy (auto) against XLA: "
+                f"{len(losing)} of {len(auto)} cases LOSE (95% CI above 1)")
+        if losing:
+            text += ": " + ", ".join(
+                f"{r['workload']} {r['dtype']} [{r['timing_mode']}] {r['ratio_median']:.3f} "
+                f"[{r['ratio_ci'][0]:.3f}, {r['ratio_ci'][1]:.3f}]"
+                + (" (=xla: the same compiled program)" if r.get("same_program_as_xla") else "")
+                for r in losing)
+        else:
+            text += ": never measurably slower in this run"
+        lines.append(text + ".")
     return lines
 
 
-def spread(records: Sequence[dict]) -> float | None:
-    """Median over records of (max - min) / median: how noisy this run's samples were."""
-    vals = [(r["max_s"] - r["min_s"]) / r["median_s"] for r in records if r.get("median_s")]
-    return statistics.median(vals) if vals else None
+def roofline_summary(records: Sequence[dict], reference: dict | None) -> list[str]:
+    if not reference or not reference.get("gbps"):
+        return ["reference bandwidth: not measured (no % roof)"]
+    kind = "a ceiling" if reference.get("is_ceiling") else "NOT a ceiling"
+    lines = [f"reference bandwidth: {reference['gbps']:.1f} GB/s, {reference.get('label')} ({kind}): "
+             f"{reference.get('method', '')}"]
+    over = [r for r in records if r.get("over_roofline")]
+    if over:
+        lines.append(
+            f"MEASUREMENT ERROR: {len(over)} record{'s' * (len(over) != 1)} above "
+            f"{100 * _ref.OVER_ROOFLINE:.0f}% of the reference (marked '!!'; data served from a "
+            f"cache, a miscounted byte total or a reference copy slowed by other load -- not a "
+            f"result): " + ", ".join(
+                f"{r['workload']} {r['dtype']} {_shape_str(r['shape'])} {r['mode']} "
+                f"[{r.get('timing_mode')}] {r['pct_of_roofline']:.0f}%" for r in over[:12])
+            + (" ..." if len(over) > 12 else ""))
+    else:
+        lines.append(f"no record above {100 * _ref.OVER_ROOFLINE:.0f}% of the reference.")
+    return lines
 
 
 def fallback_banner(meta: dict) -> str | None:

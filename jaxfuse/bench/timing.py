@@ -1,32 +1,51 @@
 """Timing: warm-up, interleaved repetitions, median/min/max, cache-busting rotation.
 
-How one sample is taken
------------------------
-A sample is the mean over a *batch* of ``K`` calls; ``K`` is calibrated per case
-so that a batch lasts about ``target_batch_s`` (so tiny calls are not lost in
-timer resolution).  How the batch waits for the device depends on the platform:
+Two timing modes (every case is timed in both unless ``--timing`` says otherwise)
+-------------------------------------------------------------------------------
+A sample is the mean per-call time over a *batch* of ``K`` calls; ``K`` is
+calibrated per case and mode so that a batch lasts about ``target_batch_s`` (so
+tiny calls are not lost in timer resolution).
 
-* GPU (``block_each=False``): the ``K`` calls are dispatched back to back
-  without waiting and one ``jax.block_until_ready`` on all ``K`` outputs ends the
-  batch.  JAX dispatch is asynchronous and one stream runs the kernels in
-  order, so this measures the *throughput* a program sees when it issues work
-  back to back: device time overlapped with the host-side dispatch of the next
-  call.  For small arrays the GPU finishes faster than the host can launch, so
-  the per-call time floors at the dispatch + launch cost: that overhead stays
-  *visible* (and the ``unfused`` pair pays it twice) instead of being hidden
-  behind the host<->device synchronisation round trip (tens of microseconds)
-  that blocking after every call would add to each sample.
-* CPU (``block_each=True``): each call is dispatched and blocked on before the
-  next.  Blocking is cheap there (no device round trip: ~5 us for a 16-element
-  call on the 2-core VM, which is the dispatch floor), while queueing ``K``
-  asynchronous calls on the CPU client lets it run them concurrently on its
-  small thread pool and keeps ``K`` outputs alive at once, which churned the
-  allocator: a 2^20-element float32 negation measured 267 us blocked per call
-  against 1120 us per call with 8 outputs in flight.
+* ``latency``: each call is dispatched and waited for
+  (``jax.block_until_ready`` after every call) before the next is issued.  This
+  is the time one call takes end to end, dispatch and synchronisation included,
+  as an interactive or request-at-a-time caller sees it.
+* ``throughput``: the ``K`` calls are dispatched back to back and one
+  ``jax.block_until_ready`` on all ``K`` outputs ends the batch, as a training
+  or inference loop issues work.  JAX dispatch is asynchronous, so device work
+  overlaps with the host-side dispatch of the next call; for small arrays the
+  per-call time floors at the dispatch + launch cost, which stays visible (the
+  ``unfused`` pair pays it twice).  ``K`` is at least ``MIN_THROUGHPUT_BATCH``
+  (2 for calls over ``LONG_CALL_S``), so there is something to overlap, and at
+  most what keeps the ``K`` live outputs within ``output_budget(platform)``
+  (but never below 2).  On CPU that budget is small on purpose: holding many
+  outputs at once and freeing them together makes glibc trim the heap, so the
+  next batch page-faults fresh memory -- measured on the 2-core VM, 2^18-element
+  float32 add+relu, K calls back to back: 8 live 1 MiB outputs ran without a
+  fault, 16 took ~170 faults per call and 2-3x the time, for XLA and jaxfuse
+  alike (2^16 elements: 16 live 256 KiB outputs already faulted every page for
+  XLA).  That is the allocator, not the program; a loop that consumes its
+  outputs does not see it.  The budget (4 MiB) keeps clear of it, and each
+  record's ``batch`` says which K was used.
 
-Modes are interleaved: repetition ``r`` takes one sample of every mode, in an
-order rotated by ``r``, so slow drift (clocks, thermals, other tenants) hits all
-modes alike.  Median, min and max of the samples are kept.
+Why both, always: they rank implementations differently, on CPU too.  Measured
+on XLA:CPU (jax 0.10): a program whose estimated flops are under 1000 is run
+*inline on the calling thread*, and a custom call counts as zero flops.  So a
+program made of nothing but a jaxfuse call runs synchronously -- dispatch
+returns when the kernel is done -- while XLA's own fused loop of the same op
+(``n`` flops) is dispatched asynchronously onto the CPU client's thread pool.
+In latency mode both pay the full call; in throughput mode XLA's calls overlap
+their dispatch with execution (and independent calls may run concurrently on
+the pool) while jaxfuse's do not.  A real program holding the custom call
+(anything with a matmul or a convolution beside it) is over the threshold and
+dispatched asynchronously either way, so this asymmetry is particular to the
+op-level workloads; the model-level workloads measure the other case.
+
+Modes are interleaved: repetition ``r`` takes one sample of every (case, timing
+mode), in an order rotated by ``r``, so slow drift (clocks, thermals, other
+tenants) hits all alike, and sample ``r`` of two cases forms a *pair*:
+``ratio_ci`` bootstraps the median of the per-round ratios.  Median, min, max
+and the samples themselves are kept.
 
 Cache rotation
 --------------
@@ -179,6 +198,18 @@ def last_level_cache(device) -> tuple[int, str]:
 Case = Callable[[int], Any]
 """A case dispatches one call using input set ``i`` and returns its (unblocked) output."""
 
+TIMING_MODES = ("latency", "throughput")
+MIN_THROUGHPUT_BATCH = 4
+# Calls longer than this need less company to show overlap: 2 back to back.
+LONG_CALL_S = 10e-3
+# Live outputs a throughput batch may hold at once (K x one call's output).
+OUTPUT_BUDGET_BYTES = {"cpu": 4 << 20}
+OUTPUT_BUDGET_DEFAULT = 1 << 30  # GPU: a caching allocator, no page faults
+
+
+def output_budget(platform: str) -> int:
+    return OUTPUT_BUDGET_BYTES.get(platform, OUTPUT_BUDGET_DEFAULT)
+
 
 def _batch_time(call: Case, k: int, counter: list[int], block_each: bool) -> float:
     if block_each:
@@ -196,6 +227,73 @@ def _batch_time(call: Case, k: int, counter: list[int], block_each: bool) -> flo
     return (time.perf_counter() - t0) / k
 
 
+def _nbytes(tree) -> int:
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree)))
+
+
+def batch_size(t1: float, timing_mode: str, *, target_batch_s: float, max_batch: int,
+               out_bytes: int = 0, min_throughput: int = MIN_THROUGHPUT_BATCH,
+               budget: int = OUTPUT_BUDGET_DEFAULT) -> int:
+    """Calls per sample for a case whose single blocked call takes ``t1`` seconds."""
+    k = max_batch if t1 <= 0 else math.ceil(target_batch_s / t1)
+    k = max(1, min(max_batch, k))
+    if timing_mode == "throughput":
+        k = max(k, min_throughput if t1 < LONG_CALL_S else min(2, min_throughput))
+        if out_bytes > 0:
+            k = min(k, max(2, budget // out_bytes))
+    return k
+
+
+def measure(
+    cases: Mapping[str, Case],
+    timing_modes: Sequence[str] = TIMING_MODES,
+    *,
+    reps: int,
+    warmup: int = 3,
+    target_batch_s: float = 2e-3,
+    max_batch: int = 256,
+    clock: Callable[[], None] | None = None,
+) -> dict[tuple[str, str], tuple[Stats, int]]:
+    """Times every case in every timing mode, all interleaved in the same rounds.
+
+    Returns ``{(case, timing_mode): (Stats of per-call seconds, batch size K)}``;
+    sample ``r`` of every entry was taken in round ``r`` (pairs for ``ratio_ci``).
+    ``clock`` is called once per round (used to advance a progress bar).
+    """
+    for tm in timing_modes:
+        if tm not in TIMING_MODES:
+            raise ValueError(f"unknown timing mode {tm!r}; choose from {TIMING_MODES}")
+    names = list(cases)
+    budget = output_budget(jax.devices()[0].platform)
+    keys = [(n, tm) for n in names for tm in timing_modes]
+    counters = {n: [0] for n in names}  # input sets cycle per case, across timing modes
+    out_bytes = {}
+    # Warm-up: compiles, first-touch allocations, clock ramp-up.
+    for name in names:
+        out_bytes[name] = _nbytes(jax.block_until_ready(cases[name](counters[name][0])))
+        counters[name][0] += 1
+        for _ in range(max(0, warmup - 1)):
+            _batch_time(cases[name], 1, counters[name], True)
+    # Calibrate K from the fastest of three blocked single calls.
+    batch = {}
+    for name in names:
+        t1 = min(_batch_time(cases[name], 1, counters[name], True) for _ in range(3))
+        for tm in timing_modes:
+            batch[(name, tm)] = batch_size(t1, tm, target_batch_s=target_batch_s,
+                                           max_batch=max_batch, out_bytes=out_bytes[name],
+                                           budget=budget)
+    samples: dict[tuple, list[float]] = {k: [] for k in keys}
+    for r in range(max(1, reps)):
+        shift = r % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            name, tm = key
+            samples[key].append(_batch_time(cases[name], batch[key], counters[name],
+                                            tm == "latency"))
+        if clock is not None:
+            clock()
+    return {k: (summarize(samples[k]), batch[k]) for k in keys}
+
+
 def measure_interleaved(
     cases: Mapping[str, Case],
     *,
@@ -206,17 +304,14 @@ def measure_interleaved(
     block_each: bool = False,
     clock: Callable[[], None] | None = None,
 ) -> dict[str, tuple[Stats, int]]:
-    """Times every case; returns ``{name: (Stats of per-call seconds, batch size K)}``.
-
-    ``clock`` is called once per repetition round (used to advance a progress bar).
-    """
+    """One timing mode only (``block_each``: latency, else throughput with
+    exactly the calibrated K): ``{name: (Stats, K)}``.  Kept for
+    ``bench/thresholds.py``; the benchmark uses ``measure``."""
     names = list(cases)
     counters = {n: [0] for n in names}
-    # Warm-up: compiles, first-touch allocations, clock ramp-up.
     for name in names:
         for _ in range(max(1, warmup)):
             _batch_time(cases[name], 1, counters[name], block_each)
-    # Calibrate K so one batch lasts ~target_batch_s.
     batch = {}
     for name in names:
         t1 = min(_batch_time(cases[name], 1, counters[name], block_each) for _ in range(3))

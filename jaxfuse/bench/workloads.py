@@ -1,46 +1,37 @@
-"""What is timed: the three modes, the workloads, their inputs and byte counts.
+"""What is timed: the modes, the op-level workloads, their inputs and byte counts,
+and how a program is inspected (fused sites, custom calls, XLA's byte count).
 
-Modes
------
+Op-level modes (``add_relu``, ``bias_add_relu``)
+-------------------------------------------------
 * ``unfused`` -- two separately compiled executables, ``jax.jit(jnp.add)`` then
   ``jax.jit(lambda y: jnp.maximum(y, 0))``, called one after the other: the sum
   is materialized in device memory between them (written by the first, read
   back by the second), as in a naive engine.  For equal shapes ``jnp.add`` is
   exactly ``lax.add``; for the bias form it also broadcasts the bias.
 * ``xla`` -- ``jax.jit(f)`` with ``f = relu(a + b)``: XLA fuses it itself.
-* ``jaxfuse`` -- ``jaxfuse.optimize(f)`` of the very same ``f``: the pass turns
-  add->relu into our custom call.
+* ``jaxfuse`` -- ``jaxfuse.optimize(f, policy="always")`` of the very same
+  ``f``: the pass turns add->relu into our custom call *unconditionally*, so
+  this mode measures the kernel.  (Under the default ``policy="auto"`` the cost
+  model would decline the small sizes and the program would be XLA's own; the
+  model-level workloads, ``jaxfuse.bench.models``, time that policy.)
 
-A "copy" case (``jax.jit(lax.neg)``: one read and one write per element, which
-XLA can neither elide nor alias to the non-donated input -- unlike ``x + 0``,
-``x * 1`` or an identity, which it simplifies or forwards) runs alongside every
-op group, interleaved with the modes, to give the device's copy bandwidth at
-the same size, dtype and moment.
+Model-level modes are ``xla``, ``jaxfuse`` (``policy="auto"``, the default a
+user gets) and ``jaxfuse-always`` (``policy="always"``); see ``models``.
 
-Workloads
----------
+Op workloads
+------------
 * ``add_relu``       ``relu(a + b)``, ``a`` and ``b`` of one shape.
 * ``bias_add_relu``  ``relu(x + bias)``, ``x: (N, C)``, ``bias: (C,)``.  An
   integer size ``n`` becomes ``(n // 1024, 1024)``.
-* ``resnet_block``   a ResNet basic block in NHWC, BatchNorm in its *inference*
-  form (running statistics folded into a per-channel scale and shift)::
-
-      h = relu(bn1(conv3x3(x)))        # bn = h * scale + shift: an add -> relu
-      y = relu(bn2(conv3x3(h)) + x)    # the residual add -> relu
-
-  timed ``jax.jit`` vs ``jaxfuse.optimize``; ``unfused`` has no meaning for a
-  whole graph and is not run for it.
 
 Bytes moved (analytic)
 ----------------------
 For ``a`` of ``n`` elements and ``b`` of ``m`` (``m = n`` plain, ``m = C`` bias),
 itemsize ``s``:  fused = ``(2n + m) s`` (read a, read b, write out: 3 passes
 for the plain op); unfused = ``(4n + m) s`` (add reads a and b and writes the
-sum, relu reads it back and writes the result: 5 passes for the plain op);
-copy = ``2 n s``.  For the ResNet block the estimate is the traffic of a fully
-fused block: x read twice (conv1, residual), h written and read once, out
-written once, plus both weight tensors = ``5 n s + 2 * 9 C^2 s``.  XLA's own
-``cost_analysis()["bytes accessed"]`` is recorded beside it as ``xla_bytes``.
+sum, relu reads it back and writes the result: 5 passes for the plain op).
+XLA's own ``cost_analysis()["bytes accessed"]`` is recorded beside it as
+``xla_bytes``.
 """
 
 from __future__ import annotations
@@ -58,20 +49,37 @@ from jax import lax
 
 import jaxfuse
 
-MODES = ("unfused", "xla", "jaxfuse")
+OP_MODES = ("unfused", "xla", "jaxfuse")
+MODEL_MODES = ("xla", "jaxfuse", "jaxfuse-always")
+MODES = ("unfused", "xla", "jaxfuse", "jaxfuse-always")
+JAXFUSE_MODES = ("jaxfuse", "jaxfuse-always")
 OP_WORKLOADS = ("add_relu", "bias_add_relu")
-MODEL_WORKLOADS = ("resnet_block",)
-WORKLOADS = OP_WORKLOADS + MODEL_WORKLOADS
-MODEL_MODES = ("xla", "jaxfuse")
 BIAS_WIDTH = 1024
 COPY = "copy"
 
-# Name of our FFI target (see jaxfuse/_kernels.py); used to check that the
-# jaxfuse mode really lowered to our custom call.
-_TARGET = getattr(getattr(jaxfuse, "_kernels", None), "TARGET", "jaxfuse_add_relu")
+
+def policy_of(mode: str, kind: str) -> str | None:
+    """The ``jaxfuse.optimize`` policy a mode runs with (None: plain XLA)."""
+    if mode == "jaxfuse-always":
+        return "always"
+    if mode == "jaxfuse":
+        return "always" if kind == "op" else "auto"
+    return None
+
+
+# Names of our FFI targets (see jaxfuse/_kernels.py); used to check that a
+# jaxfuse mode really lowered to our custom calls.
+_K = getattr(jaxfuse, "_kernels", None)
+TARGETS = (getattr(_K, "TARGET", "jaxfuse_add_relu"), getattr(_K, "EPILOGUE_TARGET", "jaxfuse_epilogue"))
 _CUSTOM_CALL_RE = re.compile(
-    r"custom_call\s*@" + re.escape(_TARGET) + r"\b|call_target_name\s*=\s*\"" + re.escape(_TARGET) + '"'
+    r"custom_call\s*@(?:" + "|".join(map(re.escape, TARGETS)) + r")\b"
+    r"|call_target_name\s*=\s*\"(?:" + "|".join(map(re.escape, TARGETS)) + ')"'
 )
+
+
+def count_custom_calls(text: str) -> int:
+    """jaxfuse custom calls (either target) in a lowered module's text."""
+    return len(_CUSTOM_CALL_RE.findall(text))
 
 
 # ----------------------------------------------------------------- the programs
@@ -83,16 +91,15 @@ def add_relu_f(a, b):
     return relu(a + b)
 
 
-def fuse(f: Callable) -> Callable:
-    """The ``jaxfuse`` mode: the optimization pass applied to ``f``."""
-    return jaxfuse.optimize(f, policy="always")
+def fuse(f: Callable, policy: str = "always") -> Callable:
+    """A jaxfuse mode: the optimization pass applied to ``f``."""
+    return jaxfuse.optimize(f, policy=policy)
 
 
 # The two halves of the ``unfused`` mode: two executables, the sum materialized.
 unfused_add = jax.jit(jnp.add)
 unfused_relu = jax.jit(lambda y: jnp.maximum(y, 0))
 xla_add_relu = jax.jit(add_relu_f)
-copy_kernel = jax.jit(lax.neg)
 
 
 def _conv(x, w):
@@ -134,9 +141,6 @@ def init_resnet_params(key, channels: int, dtype) -> dict:
     return {"w1": w(ks[0]), "w2": w(ks[1]), "bn1": bn(*ks[2:6]), "bn2": bn(*ks[6:10])}
 
 
-xla_resnet_block = jax.jit(resnet_block)
-
-
 # ------------------------------------------------------------------- shapes
 def op_shapes(workload: str, size) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shape of a, shape of b) for an op workload and a size (int or shape tuple)."""
@@ -158,7 +162,7 @@ def analytic_bytes(mode: str, a_shape, b_shape, itemsize: int) -> int:
     n, m = math.prod(a_shape), math.prod(b_shape)
     if mode == "unfused":
         return (4 * n + m) * itemsize
-    if mode in ("xla", "jaxfuse"):
+    if mode in ("xla", "jaxfuse", "jaxfuse-always"):
         return (2 * n + m) * itemsize
     if mode == COPY:
         return 2 * n * itemsize
@@ -166,6 +170,8 @@ def analytic_bytes(mode: str, a_shape, b_shape, itemsize: int) -> int:
 
 
 def resnet_bytes(x_shape, itemsize: int) -> int:
+    """Traffic of a fully fused ResNet block: x read twice, h written and read,
+    the output written, both 3x3 weight tensors read."""
     n, c = math.prod(x_shape), x_shape[-1]
     return (5 * n + 2 * 9 * c * c) * itemsize
 
@@ -195,36 +201,95 @@ def bytes_accessed(cost) -> float | None:
 class Inspection:
     xla_bytes: float | None
     custom_calls: int  # jaxfuse custom calls in the lowered module
-    sites: int  # add_relu_p equations in the jaxpr (the pass fired there)
+    sites: int  # sites the pass fused (explain's `fused`; 0 for plain XLA)
+    declined: int = 0  # sites safe to fuse that the cost model declined
+    rejected: int = 0  # other candidate sites the pass left alone
+    impl: str = "xla"
+    fingerprint: str | None = None  # of the compiled program, names and debug info aside
 
 
-def inspect(fn: Callable, *args) -> Inspection:
-    """XLA's byte count for ``fn``, how many fused sites its jaxpr has and how
-    many of our custom calls its lowering has (sites without custom calls mean
-    the kernel was not available and the primitive lowered to the fallback)."""
-    try:
-        sites = len(re.findall(re.escape(jaxfuse.add_relu_p.name) + r"\[", str(jax.make_jaxpr(fn)(*args))))
-    except Exception:  # noqa: BLE001 - inspection must never sink a benchmark
-        sites = 0
+_DEBUG_SECTIONS = {"FileNames", "FunctionNames", "FileLocations", "StackFrames"}
+
+
+def program_fingerprint(hlo_text: str) -> str:
+    """A hash of a compiled HLO module's text without what does not change the
+    program: source locations, metadata, the module's and instructions' names
+    (renumbered in order of appearance).  Equal fingerprints: the same program."""
+    import hashlib
+
+    out, skip = [], False
+    for ln in hlo_text.splitlines():
+        if ln.strip() in _DEBUG_SECTIONS:
+            skip = True
+            continue
+        if skip:
+            skip = bool(ln.strip())
+            continue
+        out.append(ln)
+    t = "\n".join(out)
+    t = re.sub(r",?\s*metadata=\{[^{}]*\}", "", t)
+    t = re.sub(r"^HloModule [^,\s]+", "HloModule m", t)
+    names: dict[str, str] = {}
+    t = re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), t)
+    return hashlib.sha256(t.encode()).hexdigest()
+
+
+def impl_of(mode: str, custom_calls: int, sites: int, declined: int) -> str:
+    """What a record's program really ran:
+
+    * ``xla``        a plain XLA mode;
+    * ``kernel``     at least one jaxfuse custom call in the lowered program;
+    * ``fallback``   sites fused, but no custom call: the kernels are not
+                     available (or disabled) and the fused op lowered to XLA's ops;
+    * ``declined``   the cost model (``policy="auto"``) kept XLA's code at every site;
+    * ``no-rewrite`` the pass found nothing to fuse: the program is XLA's own.
+    """
+    if mode not in JAXFUSE_MODES:
+        return "xla"
+    if custom_calls > 0:
+        return "kernel"
+    if sites > 0:
+        return "fallback"
+    return "declined" if declined > 0 else "no-rewrite"
+
+
+def inspect(fn: Callable, *args, mode: str = "xla", policy: str | None = None,
+            plain: Callable | None = None) -> Inspection:
+    """XLA's byte count for the jitted ``fn``, how many jaxfuse custom calls its
+    lowering holds and, for a jaxfuse mode, what ``jaxfuse.explain`` says of the
+    plain function ``plain`` under ``policy`` (fused / declined / rejected
+    sites).  Lowering shares jit's cache, so timing ``fn`` later compiles nothing.
+    Never raises: inspection must not sink a benchmark."""
+    sites = declined = rejected = 0
+    if policy is not None and plain is not None:
+        try:
+            rep = jaxfuse.explain(plain, *args, policy=policy)
+            sites, declined = len(rep.fused), len(rep.declined_for_cost)
+            rejected = len(rep.rejected) - declined
+        except Exception:  # noqa: BLE001
+            pass
     lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
     try:
         lowered = lowerable.lower(*args)
     except Exception:  # noqa: BLE001
-        return Inspection(None, 0, sites)
+        return Inspection(None, 0, sites, declined, rejected, impl_of(mode, 0, sites, declined))
     try:
-        calls = len(_CUSTOM_CALL_RE.findall(lowered.as_text()))
+        calls = count_custom_calls(lowered.as_text())
     except Exception:  # noqa: BLE001
         calls = 0
+    xb = fp = None
     try:
-        xb = bytes_accessed(lowered.compile().cost_analysis())
+        compiled = lowered.compile()
+        xb = bytes_accessed(compiled.cost_analysis())
+        fp = program_fingerprint(compiled.as_text())
     except Exception:  # noqa: BLE001
-        xb = None
-    return Inspection(xb, calls, sites)
+        pass
+    return Inspection(xb, calls, sites, declined, rejected, impl_of(mode, calls, sites, declined), fp)
 
 
 # ------------------------------------------------------------------- groups
 @functools.lru_cache(maxsize=None)
-def _generator(shapes: tuple, dtype_name: str):
+def _generator(shapes: tuple, dtype_name: str, x64: bool):
     dtype = jnp.dtype(dtype_name)
 
     def gen(key):
@@ -237,7 +302,8 @@ def _generator(shapes: tuple, dtype_name: str):
 
 
 def make_input_sets(shapes, dtype, n_sets: int, seed: int = 0) -> list[tuple]:
-    gen = _generator(tuple(tuple(s) for s in shapes), jnp.dtype(dtype).name)
+    gen = _generator(tuple(tuple(s) for s in shapes), jnp.dtype(dtype).name,
+                     bool(jax.config.jax_enable_x64))
     base = jax.random.key(seed)
     sets = [gen(jax.random.fold_in(base, i)) for i in range(n_sets)]
     jax.block_until_ready(sets)
@@ -254,10 +320,12 @@ class Group:
     elements: int
     cases: dict[str, Callable[[int], Any]]
     bytes: dict[str, int]
-    xla_bytes: dict[str, float | None] = field(default_factory=dict)
-    custom_calls: dict[str, int] = field(default_factory=dict)
-    sites: dict[str, int] = field(default_factory=dict)
+    kind: str = "op"  # "op" or "model"
+    bytes_source: str = "analytic"
+    inspections: dict[str, Inspection] = field(default_factory=dict)
+    policies: dict[str, str | None] = field(default_factory=dict)
     buffer_sets: int = 1
+    note: str = ""
 
 
 def _cycle(sets):
@@ -268,74 +336,40 @@ def _cycle(sets):
 def op_group(workload, size, dtype, modes, cache_bytes, *, seed=0, rotate=True) -> Group:
     from .timing import rotation_count
 
+    modes = [m for m in OP_MODES if m in modes]
     a_shape, b_shape = op_shapes(workload, size)
     itemsize = jnp.dtype(dtype).itemsize
     working_set = analytic_bytes("xla", a_shape, b_shape, itemsize)
     n_sets = rotation_count(working_set, cache_bytes) if rotate else 1
     sets = make_input_sets([a_shape, b_shape], dtype, n_sets, seed)
     pick = _cycle(sets)
-    fused = fuse(add_relu_f) if "jaxfuse" in modes else None
+    fused = fuse(add_relu_f, policy_of("jaxfuse", "op")) if "jaxfuse" in modes else None
 
     builders = {
         "unfused": lambda i: unfused_relu(unfused_add(*pick(i))),
         "xla": lambda i: xla_add_relu(*pick(i)),
         "jaxfuse": lambda i: fused(*pick(i)),
     }
-    cases = {m: builders[m] for m in MODES if m in modes}
-    cases[COPY] = lambda i: copy_kernel(pick(i)[0])
     group = Group(
         workload=workload,
         dtype=jnp.dtype(dtype).name,
         shape=a_shape,
         elements=math.prod(a_shape),
-        cases=cases,
-        bytes={m: analytic_bytes(m, a_shape, b_shape, itemsize) for m in cases},
+        cases={m: builders[m] for m in modes},
+        bytes={m: analytic_bytes(m, a_shape, b_shape, itemsize) for m in modes},
+        kind="op",
+        policies={m: policy_of(m, "op") for m in modes},
         buffer_sets=n_sets,
     )
     args = sets[0]
-    for m in cases:
+    for m in modes:
         if m == "unfused":
             i1, i2 = inspect(unfused_add, *args), inspect(unfused_relu, args[0])
             xb = None if i1.xla_bytes is None or i2.xla_bytes is None else i1.xla_bytes + i2.xla_bytes
-            group.xla_bytes[m], group.custom_calls[m], group.sites[m] = xb, 0, 0
+            group.inspections[m] = Inspection(xb, 0, 0)
+        elif m == "xla":
+            group.inspections[m] = inspect(xla_add_relu, *args)
         else:
-            fn = {"xla": xla_add_relu, "jaxfuse": fused, COPY: copy_kernel}[m]
-            ins = inspect(fn, *(args if m != COPY else args[:1]))
-            group.xla_bytes[m], group.custom_calls[m], group.sites[m] = ins.xla_bytes, ins.custom_calls, ins.sites
+            group.inspections[m] = inspect(fused, *args, mode=m, policy=policy_of(m, "op"),
+                                           plain=add_relu_f)
     return group
-
-
-def model_group(x_shape, dtype, modes, cache_bytes, *, seed=0, rotate=True) -> Group:
-    from .timing import rotation_count
-
-    x_shape = tuple(int(d) for d in x_shape)
-    itemsize = jnp.dtype(dtype).itemsize
-    params = init_resnet_params(jax.random.key(seed + 1), x_shape[-1], dtype)
-    est = resnet_bytes(x_shape, itemsize)
-    n_sets = rotation_count(est, cache_bytes) if rotate else 1
-    xs = [s[0] for s in make_input_sets([x_shape], dtype, n_sets, seed)]
-    n = len(xs)
-    fused = fuse(resnet_block) if "jaxfuse" in modes else None
-    builders = {
-        "xla": lambda i: xla_resnet_block(xs[i % n], params),
-        "jaxfuse": lambda i: fused(xs[i % n], params),
-    }
-    cases = {m: builders[m] for m in MODEL_MODES if m in modes}
-    cases[COPY] = lambda i: copy_kernel(xs[i % n])
-    group = Group(
-        workload="resnet_block",
-        dtype=jnp.dtype(dtype).name,
-        shape=x_shape,
-        elements=math.prod(x_shape),
-        cases=cases,
-        bytes={m: (2 * math.prod(x_shape) * itemsize if m == COPY else est) for m in cases},
-        buffer_sets=n_sets,
-    )
-    for m in cases:
-        if m == COPY:
-            ins = inspect(copy_kernel, xs[0])
-        else:
-            ins = inspect(xla_resnet_block if m == "xla" else fused, xs[0], params)
-        group.xla_bytes[m], group.custom_calls[m], group.sites[m] = ins.xla_bytes, ins.custom_calls, ins.sites
-    return group
-

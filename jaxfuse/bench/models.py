@@ -1,0 +1,423 @@
+"""Model-level workloads: whole programs, timed as a user runs them.
+
+Each is timed in three modes, interleaved, in both timing modes:
+
+* ``xla``            ``jax.jit(f)``;
+* ``jaxfuse``        ``jaxfuse.optimize(f)``, the default ``policy="auto"``: the
+                     cost model fuses a site only where the custom call should
+                     not lose to XLA's own fusion on this platform;
+* ``jaxfuse-always`` ``jaxfuse.optimize(f, policy="always")``: every safe site.
+
+The question they answer is the issue's "never slower than XLA": the
+``jaxfuse`` mode's time ratio against ``xla`` must not have a 95% interval
+above 1.  Each record also says how many sites the pass fused (``explain``)
+and how many custom calls the lowered program holds.
+
+Workloads (sizes per platform in ``SIZES``: ``quick`` / ``cpu`` / ``gpu``)
+------------------------------------------------------------------------
+* ``relu_add``        ``relu(a + b)``, both operands arguments (materialized).
+* ``scale_shift``     ``relu(x * s + t)``, BatchNorm's inference form;
+                      ``x: (N, 1024)``, ``s, t: (1024,)``.
+* ``dense_relu``      ``relu(x @ w + b)``; ``(M, K, N)``.
+* ``mlp``             a 4-layer MLP forward, batch 32, width 64: tiny, the
+                      per-call overhead case.
+* ``mlp_train_step``  a 3-layer MLP (width 256, batch 128) training step:
+                      softmax cross-entropy, ``jax.grad``, ``optax.sgd`` update,
+                      returning the new parameters and optimizer state.  The
+                      state is carried from call to call (a training loop), so
+                      in throughput mode each call depends on the previous one.
+                      Needs optax.
+* ``flax_cnn``        ``flax.linen``: Conv(3x3) -> BatchNorm(use_running_average=True)
+                      -> relu, three times, NHWC.  Needs flax.
+* ``eqx_nchw_conv``   ``equinox.nn.Conv2d`` (NCHW, with its bias) -> relu, three
+                      times, vmapped over the batch.  Needs equinox.
+* ``resnet_block``    a ResNet basic block, NHWC, BatchNorm in inference form
+                      (``workloads.resnet_block``).
+* ``stax_resnet50``   ResNet-50 built from ``jax.example_libraries.stax`` layers
+                      as in jax's stax example (bottleneck blocks, stax's
+                      BatchNorm, ``FanOut``/``FanInSum`` residuals); input HWCN.
+                      The final average pool covers the last feature map, so a
+                      small image size works on a CPU.
+
+A workload whose library is missing is skipped with a printed reason.
+
+Inputs: the data arguments (``x``, or ``a`` and ``b``) rotate through enough
+sets to exceed the cache (``timing.rotation_count``), as a new batch would;
+parameters stay fixed.  Bytes are the *compulsory* traffic: every argument
+read once and every result written once (a lower bound on what any
+implementation moves; for the elementwise workloads it is exact, and XLA's
+own estimate is kept as ``xla_bytes``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import workloads as W
+
+MODEL_WORKLOADS = ("relu_add", "scale_shift", "dense_relu", "mlp", "mlp_train_step", "flax_cnn",
+                   "eqx_nchw_conv", "resnet_block", "stax_resnet50")
+
+SIZES: dict[str, dict[str, tuple]] = {
+    "relu_add": {"quick": (1 << 20,), "cpu": (1 << 22,), "gpu": (1 << 26,)},
+    "scale_shift": {"quick": (1024, 1024), "cpu": (4096, 1024), "gpu": (65536, 1024)},
+    "dense_relu": {"quick": (256, 256, 256), "cpu": (1024, 1024, 1024), "gpu": (8192, 4096, 4096)},
+    # (batch, width, layers)
+    "mlp": {"quick": (32, 64, 4), "cpu": (32, 64, 4), "gpu": (32, 64, 4)},
+    "mlp_train_step": {"quick": (128, 256, 3), "cpu": (128, 256, 3), "gpu": (128, 256, 3)},
+    # NHWC
+    "flax_cnn": {"quick": (4, 16, 16, 32), "cpu": (8, 32, 32, 32), "gpu": (32, 56, 56, 64)},
+    # NCHW
+    "eqx_nchw_conv": {"quick": (4, 32, 16, 16), "cpu": (8, 32, 32, 32), "gpu": (32, 64, 56, 56)},
+    # NHWC
+    "resnet_block": {"quick": (4, 16, 16, 64), "cpu": (8, 32, 32, 64), "gpu": (32, 56, 56, 64)},
+    # (batch, image size)
+    "stax_resnet50": {"quick": (2, 64), "cpu": (4, 64), "gpu": (32, 224)},
+}
+
+REQUIRES: dict[str, tuple[str, ...]] = {
+    "mlp_train_step": ("optax",),
+    "flax_cnn": ("flax",),
+    "eqx_nchw_conv": ("equinox",),
+}
+
+NUM_CLASSES = 10
+
+
+class Skip(Exception):
+    """A workload that cannot run here (a missing library); the message says why."""
+
+
+def missing(workload: str) -> str | None:
+    """Why ``workload`` cannot run (a library it needs does not import), or None."""
+    for lib in REQUIRES.get(workload, ()):
+        try:
+            importlib.import_module(lib)
+        except ImportError as e:
+            return f"needs {lib}, which is not installed ({e})"
+    return None
+
+
+@dataclass
+class Spec:
+    """A model program ``fn(params, *data)`` and how to make its inputs."""
+
+    fn: Callable
+    params: Any
+    data_shapes: tuple  # per data argument: (shape, kind) with kind "normal" or "labels"
+    shape: tuple  # what the table shows
+    carry: bool = False  # fn returns the next params (a training step)
+    note: str = ""
+
+
+def _cast(tree, dtype):
+    def c(x):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.asarray(x).astype(dtype)
+        return x
+
+    return jax.tree_util.tree_map(c, tree)
+
+
+def _normal(key, shape, dtype, scale=1.0):
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _dense_params(key, sizes, dtype):
+    params = []
+    for k, (i, o) in zip(jax.random.split(key, len(sizes)), sizes):
+        kw, kb = jax.random.split(k)
+        params.append({"w": _normal(kw, (i, o), dtype, math.sqrt(2.0 / i)),
+                       "b": _normal(kb, (o,), dtype, 0.1)})
+    return params
+
+
+def _mlp_apply(params, x):
+    h = x
+    for p in params[:-1]:
+        h = jax.nn.relu(h @ p["w"] + p["b"])
+    return h @ params[-1]["w"] + params[-1]["b"]
+
+
+# ----------------------------------------------------------------- builders
+def _relu_add(size, dtype, key):
+    (n,) = size
+    return Spec(lambda p, a, b: jax.nn.relu(a + b), (), (((n,), "normal"), ((n,), "normal")), (n,))
+
+
+def _scale_shift(size, dtype, key):
+    n, c = size
+    ks, kt = jax.random.split(key)
+    params = {"s": _normal(ks, (c,), dtype, 1.0) + jnp.asarray(1, dtype),
+              "t": _normal(kt, (c,), dtype, 0.5)}
+    return Spec(lambda p, x: jax.nn.relu(x * p["s"] + p["t"]), params, (((n, c), "normal"),), (n, c))
+
+
+def _dense_relu(size, dtype, key):
+    m, k, n = size
+    kw, kb = jax.random.split(key)
+    params = {"w": _normal(kw, (k, n), dtype, 1.0 / math.sqrt(k)), "b": _normal(kb, (n,), dtype, 0.5)}
+    return Spec(lambda p, x: jax.nn.relu(x @ p["w"] + p["b"]), params, (((m, k), "normal"),),
+                (m, k, n), note="x (M,K) @ w (K,N) + b (N,)")
+
+
+def _mlp(size, dtype, key):
+    batch, width, layers = size
+    params = _dense_params(key, [(width, width)] * layers, dtype)
+    return Spec(_mlp_apply, params, (((batch, width), "normal"),), (batch, width),
+                note=f"{layers} dense layers of {width}")
+
+
+def _mlp_train_step(size, dtype, key):
+    import optax
+
+    batch, width, layers = size
+    params = _dense_params(key, [(width, width)] * (layers - 1) + [(width, NUM_CLASSES)], dtype)
+    opt = optax.sgd(1e-3)
+
+    def loss(p, x, y):
+        logits = _mlp_apply(p, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def step(state, x, y):
+        p, opt_state = state
+        grads = jax.grad(loss)(p, x, y)
+        updates, opt_state = opt.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
+    state = (params, opt.init(params))
+    return Spec(step, state, (((batch, width), "normal"), ((batch,), "labels")), (batch, width),
+                carry=True, note=f"{layers} layers, sgd; state carried call to call")
+
+
+def _flax_cnn(size, dtype, key):
+    import flax.linen as nn
+
+    n, h, w, c = size
+
+    class CNN(nn.Module):
+        features: int
+        layers: int = 3
+
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(self.layers):
+                x = nn.Conv(self.features, (3, 3), padding="SAME")(x)
+                x = nn.BatchNorm(use_running_average=True)(x)
+                x = nn.relu(x)
+            return x
+
+    model = CNN(c)
+    k1, k2 = jax.random.split(key)
+    variables = model.init(k1, jnp.zeros((1, h, w, c), jnp.float32))
+    # Non-trivial running statistics and affine parameters, so every ReLU sees
+    # inputs on both sides of zero.
+    leaves, tree = jax.tree_util.tree_flatten(variables)
+    keys = jax.random.split(k2, len(leaves))
+    leaves = [x + 0.1 * jnp.abs(jax.random.normal(k, x.shape, x.dtype)) for k, x in zip(keys, leaves)]
+    variables = _cast(jax.tree_util.tree_unflatten(tree, leaves), dtype)
+    return Spec(lambda v, x: model.apply(v, x), variables, (((n, h, w, c), "normal"),), (n, h, w, c),
+                note="3 x (Conv 3x3 -> BatchNorm -> relu), NHWC")
+
+
+def _eqx_nchw_conv(size, dtype, key):
+    import equinox as eqx
+
+    n, c, h, w = size
+    keys = jax.random.split(key, 3)
+    convs = [eqx.nn.Conv2d(c, c, 3, padding=1, use_bias=True, key=k) for k in keys]
+    convs = _cast(convs, dtype)
+    params, static = eqx.partition(convs, eqx.is_array)
+
+    def forward(params, x):
+        layers = eqx.combine(params, static)
+
+        def one(xi):
+            for conv in layers:
+                xi = jax.nn.relu(conv(xi))
+            return xi
+
+        return jax.vmap(one)(x)
+
+    return Spec(forward, params, (((n, c, h, w), "normal"),), (n, c, h, w),
+                note="3 x (Conv2d 3x3 + bias -> relu), NCHW")
+
+
+def _resnet_block(size, dtype, key):
+    x_shape = tuple(int(d) for d in size)
+    params = W.init_resnet_params(key, x_shape[-1], dtype)
+    return Spec(lambda p, x: W.resnet_block(x, p), params, ((x_shape, "normal"),), x_shape)
+
+
+# ResNet-50 as in jax's stax example: bottleneck blocks, BatchNorm, residual sums.
+def _stax():
+    from jax.example_libraries import stax
+
+    return stax
+
+
+def _conv_block(kernel_size, filters, strides=(2, 2)):
+    stax = _stax()
+    ks = kernel_size
+    f1, f2, f3 = filters
+    main = stax.serial(stax.Conv(f1, (1, 1), strides), stax.BatchNorm(), stax.Relu,
+                       stax.Conv(f2, (ks, ks), padding="SAME"), stax.BatchNorm(), stax.Relu,
+                       stax.Conv(f3, (1, 1)), stax.BatchNorm())
+    shortcut = stax.serial(stax.Conv(f3, (1, 1), strides), stax.BatchNorm())
+    return stax.serial(stax.FanOut(2), stax.parallel(main, shortcut), stax.FanInSum, stax.Relu)
+
+
+def _identity_block(kernel_size, filters):
+    stax = _stax()
+    ks = kernel_size
+    f1, f2 = filters
+
+    def make_main(input_shape):
+        # the last conv restores the input's channel count
+        return stax.serial(stax.Conv(f1, (1, 1)), stax.BatchNorm(), stax.Relu,
+                           stax.Conv(f2, (ks, ks), padding="SAME"), stax.BatchNorm(), stax.Relu,
+                           stax.Conv(input_shape[3], (1, 1)), stax.BatchNorm())
+
+    main = stax.shape_dependent(make_main)
+    return stax.serial(stax.FanOut(2), stax.parallel(main, stax.Identity), stax.FanInSum, stax.Relu)
+
+
+def resnet50_final_size(image: int) -> int:
+    """Spatial size of ResNet-50's last feature map for a square input."""
+    s = -(-image // 2)  # 7x7 stride-2 SAME conv
+    s = (s - 3) // 2 + 1  # 3x3 stride-2 VALID max pool
+    for _ in range(3):  # three stride-2 stages
+        s = -(-s // 2)
+    return s
+
+
+def resnet50(num_classes=1000, pool=7):
+    stax = _stax()
+    return stax.serial(
+        stax.GeneralConv(("HWCN", "OIHW", "NHWC"), 64, (7, 7), (2, 2), "SAME"),
+        stax.BatchNorm(), stax.Relu, stax.MaxPool((3, 3), strides=(2, 2)),
+        _conv_block(3, [64, 64, 256], strides=(1, 1)),
+        _identity_block(3, [64, 64]), _identity_block(3, [64, 64]),
+        _conv_block(3, [128, 128, 512]),
+        *[_identity_block(3, [128, 128]) for _ in range(3)],
+        _conv_block(3, [256, 256, 1024]),
+        *[_identity_block(3, [256, 256]) for _ in range(5)],
+        _conv_block(3, [512, 512, 2048]),
+        _identity_block(3, [512, 512]), _identity_block(3, [512, 512]),
+        stax.AvgPool((pool, pool)), stax.Flatten, stax.Dense(num_classes),
+    )
+
+
+def _stax_resnet50(size, dtype, key):
+    batch, image = size
+    pool = resnet50_final_size(image)
+    if pool < 1:
+        raise ValueError(f"stax_resnet50: image size {image} is too small")
+    init, apply = resnet50(1000, pool)
+    in_shape = (image, image, 3, batch)  # HWCN, as the first GeneralConv expects
+    _, params = init(key, in_shape)
+    return Spec(lambda p, x: apply(p, x), _cast(params, dtype), ((in_shape, "normal"),), in_shape,
+                note=f"batch {batch}, {image}x{image}, HWCN input")
+
+
+BUILDERS: dict[str, Callable] = {
+    "relu_add": _relu_add, "scale_shift": _scale_shift, "dense_relu": _dense_relu, "mlp": _mlp,
+    "mlp_train_step": _mlp_train_step, "flax_cnn": _flax_cnn, "eqx_nchw_conv": _eqx_nchw_conv,
+    "resnet_block": _resnet_block, "stax_resnet50": _stax_resnet50,
+}
+
+
+def size_for(workload: str, platform_key: str, override=None) -> tuple:
+    """The size of a model workload on ``platform_key`` ("quick", "cpu", "gpu")."""
+    if override is not None:
+        return tuple(override)
+    return tuple(SIZES[workload][platform_key])
+
+
+# ------------------------------------------------------------------- inputs
+def _data_sets(data_shapes, dtype, n_sets: int, seed: int) -> list[tuple]:
+    def gen(key):
+        keys = jax.random.split(key, len(data_shapes))
+        out = []
+        for k, (shape, kind) in zip(keys, data_shapes):
+            if kind == "labels":
+                out.append(jax.random.randint(k, shape, 0, NUM_CLASSES, jnp.int32))
+            else:
+                out.append(jax.random.normal(k, shape, jnp.float32).astype(dtype))
+        return tuple(out)
+
+    gen = jax.jit(gen)
+    base = jax.random.key(seed)
+    sets = [gen(jax.random.fold_in(base, i)) for i in range(n_sets)]
+    jax.block_until_ready(sets)
+    return sets
+
+
+def _nbytes(tree) -> int:
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree_util.tree_leaves(tree)))
+
+
+def model_group(workload, size, dtype, modes, cache_bytes, *, seed=0, rotate=True) -> W.Group:
+    """The cases and inspections of one model workload; raises ``Skip`` when a
+    library it needs is missing."""
+    from .timing import rotation_count
+
+    why = missing(workload)
+    if why is not None:
+        raise Skip(why)
+    modes = [m for m in W.MODEL_MODES if m in modes]
+    dtype = jnp.dtype(dtype)
+    spec = BUILDERS[workload](tuple(size), dtype, jax.random.key(seed + 1))
+    params = spec.params
+    one = _data_sets(spec.data_shapes, dtype, 1, seed)[0]
+    out_shape = jax.eval_shape(spec.fn, params, *one)
+    data_bytes, param_bytes, out_bytes = _nbytes(one), _nbytes(params), _nbytes(out_shape)
+    n_sets = rotation_count(data_bytes + out_bytes, cache_bytes) if rotate else 1
+    sets = [one] + (_data_sets(spec.data_shapes, dtype, n_sets, seed)[1:] if n_sets > 1 else [])
+    n = len(sets)
+
+    fns = {}
+    for m in modes:
+        policy = W.policy_of(m, "model")
+        fns[m] = jax.jit(spec.fn) if policy is None else W.fuse(spec.fn, policy)
+
+    def case(m):
+        f = fns[m]
+        if spec.carry:
+            state = [params]
+
+            def call(i):
+                state[0] = f(state[0], *sets[i % n])
+                return state[0]
+        else:
+            def call(i):
+                return f(params, *sets[i % n])
+        return call
+
+    nbytes = data_bytes + param_bytes + out_bytes
+    group = W.Group(
+        workload=workload,
+        dtype=dtype.name,
+        shape=tuple(spec.shape),
+        elements=math.prod(spec.shape),
+        cases={m: case(m) for m in modes},
+        bytes={m: nbytes for m in modes},
+        kind="model",
+        bytes_source="compulsory: arguments read once + results written once",
+        policies={m: W.policy_of(m, "model") for m in modes},
+        buffer_sets=n,
+        note=spec.note,
+    )
+    for m in modes:
+        policy = W.policy_of(m, "model")
+        group.inspections[m] = W.inspect(fns[m], params, *one, mode=m, policy=policy,
+                                         plain=spec.fn if policy else None)
+    return group
