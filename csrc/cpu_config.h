@@ -11,7 +11,7 @@ namespace jaxfuse {
 struct CpuSettings {
   int64_t max_threads = 0;    // 0: every thread of XLA's intra-op pool
   bool huge_pages = true;     // madvise(MADV_HUGEPAGE) on large outputs
-  int streaming = -1;         // -1: auto (beyond the last-level cache), 0/1
+  int streaming = 0;          // 0 off, 1 on, -1 auto (beyond the last-level cache)
 };
 
 void ConfigureCpu(const CpuSettings& settings);

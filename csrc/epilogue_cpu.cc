@@ -14,10 +14,12 @@
 //    x86-64 and AVX2+FMA, picked at run time); float16 uses F16C conversions,
 //    bfloat16 AVX2 integer rounding, both with the scalar definition for
 //    tails and for CPUs without them.
-//  * Outputs that do not fit in the last-level cache are written with
-//    non-temporal stores (through an L1 scratch block): a normal store first
+//  * Optionally (JAXFUSE_CPU_STREAMING) outputs are written with
+//    non-temporal stores through an L1 scratch block: a normal store first
 //    reads the line it overwrites, so streaming cuts the traffic of
-//    `out = f(a, b)` from four passes to three.
+//    `out = f(a, b)` from four passes to three on warm buffers. Off by
+//    default: through jax, where XLA hands out fresh output buffers, it won
+//    nothing measurable (jaxfuse/_env.py).
 //  * Large calls are split into chunks claimed by the calling thread and by
 //    helpers on XLA's intra-op pool; the caller never waits for a chunk nobody
 //    has started, so this cannot deadlock, and a late helper finds no work.
@@ -57,7 +59,7 @@ namespace {
 // ---------------------------------------------------------------------------
 std::atomic<int64_t> g_max_threads{0};
 std::atomic<bool> g_huge_pages{true};
-std::atomic<int> g_streaming{-1};
+std::atomic<int> g_streaming{0};  // jaxfuse/_env.py says why off
 
 // The last-level cache this core shares, from sysfs (what lscpu shows); glibc's
 // sysconf can report a whole package's L3 instead (256 MiB on an EPYC VM whose
@@ -220,13 +222,18 @@ struct F16Lanes {
   static JF_AVX2 JF_INLINE __m256 Round(__m256 v) {
     return _mm256_cvtph_ps(_mm256_cvtps_ph(v, 0));
   }
-  static JF_AVX2 JF_INLINE void Store(uint16_t* p, __m256 v) {
+  // 8 values to f16 with NaN lanes made canonical.
+  static JF_AVX2 JF_INLINE __m128i Narrow(__m256 v) {
     __m128i h = _mm256_cvtps_ph(v, 0 /* round to nearest even */);
     __m256i nan32 = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(nan32),
                                     _mm256_extracti128_si256(nan32, 1));
-    h = _mm_blendv_epi8(h, _mm_set1_epi16(0x7e00), nan16);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+    return _mm_blendv_epi8(h, _mm_set1_epi16(0x7e00), nan16);
+  }
+  // 16 values already representable in f16 (conversion exact, NaN canonical).
+  static JF_AVX2 JF_INLINE void StoreExact16(uint16_t* p, __m256 lo, __m256 hi) {
+    __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(Narrow(lo)), Narrow(hi), 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), both);
   }
 };
 
@@ -252,13 +259,14 @@ struct BF16Lanes {
   static JF_AVX2 JF_INLINE __m256 Round(__m256 v) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(Narrow(v), 16));
   }
-  static JF_AVX2 JF_INLINE void Store(uint16_t* p, __m256 v) {
-    __m256i w = Narrow(v);
-    // packus works per 128-bit lane: pack with itself, then gather the halves.
-    __m256i packed = _mm256_packus_epi32(w, w);
-    __m256i ordered = _mm256_permute4x64_epi64(packed, 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_castsi256_si128(ordered));
+  // 16 values already representable in bf16 (Round made NaNs sign | 0x7fc0):
+  // the upper halves are the bf16 bits, no rounding left to do.
+  static JF_AVX2 JF_INLINE void StoreExact16(uint16_t* p, __m256 lo, __m256 hi) {
+    __m256i a = _mm256_srli_epi32(_mm256_castps_si256(lo), 16);
+    __m256i b = _mm256_srli_epi32(_mm256_castps_si256(hi), 16);
+    // packus works per 128-bit lane: [a0-3 b0-3 a4-7 b4-7] -> reorder.
+    __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
   }
 };
 
@@ -266,6 +274,43 @@ template <class F, class L>
 JF_AVX2 JF_INLINE __m256 Rnd(__m256 v) {
   if constexpr (F::kNarrowEachOp) return L::Round(v);
   return v;
+}
+
+// 8 lanes of the pre-activation, rounded to the narrow type (so the value is
+// exactly representable there).
+template <class F, class L>
+JF_AVX2 JF_INLINE __m256 Preactivation8(const uint16_t* x, const uint16_t* m,
+                                         const uint16_t* q, const uint16_t* s,
+                                         const uint16_t* t, const uint16_t* r) {
+  __m256 v = L::Load(x);
+  if constexpr (F::kMean) v = Rnd<F, L>(_mm256_sub_ps(v, L::Load(m)));
+  if constexpr (F::kPrescale) v = Rnd<F, L>(_mm256_mul_ps(v, L::Load(q)));
+  if constexpr (F::kScale) {
+    if constexpr (F::kContract) {
+      v = Rnd<F, L>(_mm256_fmadd_ps(v, L::Load(s), L::Load(t)));
+    } else {
+      v = Rnd<F, L>(_mm256_mul_ps(v, L::Load(s)));
+      v = Rnd<F, L>(_mm256_add_ps(v, L::Load(t)));
+    }
+  } else {
+    __m256 sum = _mm256_add_ps(v, L::Load(t));
+    // add_xla: the first operand's NaN wins (only its sign survives bf16
+    // narrowing; f16 canonicalizes), whatever order vaddps got.
+    v = Rnd<F, L>(_mm256_blendv_ps(sum, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  }
+  if constexpr (F::kResidual) v = Rnd<F, L>(_mm256_add_ps(v, L::Load(r)));
+  if constexpr (!F::kNarrowEachOp) v = L::Round(v);
+  return v;
+}
+
+template <bool Tie>
+JF_AVX2 JF_INLINE void Ties8(__m256 v, uint8_t* tie) {
+  if constexpr (Tie) {
+    __m256i eq = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_EQ_OQ));
+    __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(eq), _mm256_extracti128_si256(eq, 1));
+    __m128i b = _mm_and_si128(_mm_packs_epi16(w, w), _mm_set1_epi8(1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(tie), b);
+  }
 }
 
 template <class F, class L, bool Tie>
@@ -279,31 +324,20 @@ JF_AVX2 void NarrowAvx2(const void* const* in, void* out, uint8_t* tie,
   const uint16_t* r = static_cast<const uint16_t*>(in[kR]);
   uint16_t* o = static_cast<uint16_t*>(out);
   const __m256 zero = _mm256_setzero_ps();
+  auto at = [](const uint16_t* p, int64_t k) { return p ? p + k : p; };
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 v = L::Load(x + i);
-    if constexpr (F::kMean) v = Rnd<F, L>(_mm256_sub_ps(v, L::Load(m + i)));
-    if constexpr (F::kPrescale) v = Rnd<F, L>(_mm256_mul_ps(v, L::Load(q + i)));
-    if constexpr (F::kScale) {
-      if constexpr (F::kContract) {
-        v = Rnd<F, L>(_mm256_fmadd_ps(v, L::Load(s + i), L::Load(t + i)));
-      } else {
-        v = Rnd<F, L>(_mm256_mul_ps(v, L::Load(s + i)));
-        v = Rnd<F, L>(_mm256_add_ps(v, L::Load(t + i)));
-      }
-    } else {
-      __m256 sum = _mm256_add_ps(v, L::Load(t + i));
-      // add_xla: the first operand's NaN wins (only its sign survives bf16
-      // narrowing; f16 canonicalizes), whatever order vaddps got.
-      v = Rnd<F, L>(_mm256_blendv_ps(sum, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    }
-    if constexpr (F::kResidual) v = Rnd<F, L>(_mm256_add_ps(v, L::Load(r + i)));
-    v = L::Round(v);
+  // 16 lanes a step: two halves, narrowed and stored with one 256-bit store.
+  for (; i + 16 <= n; i += 16) {
+    __m256 lo = Preactivation8<F, L>(x + i, at(m, i), at(q, i), at(s, i), t + i, at(r, i));
+    __m256 hi = Preactivation8<F, L>(x + i + 8, at(m, i + 8), at(q, i + 8), at(s, i + 8),
+                                     t + i + 8, at(r, i + 8));
     if constexpr (Tie) {
-      int bitsz = _mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ));
-      for (int k = 0; k < 8; ++k) tie[i + k] = (bitsz >> k) & 1;
+      Ties8<Tie>(lo, tie + i);
+      Ties8<Tie>(hi, tie + i + 8);
     }
-    L::Store(o + i, _mm256_andnot_ps(_mm256_cmp_ps(v, zero, _CMP_LE_OQ), v));
+    lo = _mm256_andnot_ps(_mm256_cmp_ps(lo, zero, _CMP_LE_OQ), lo);  // relu
+    hi = _mm256_andnot_ps(_mm256_cmp_ps(hi, zero, _CMP_LE_OQ), hi);
+    L::StoreExact16(o + i, lo, hi);
   }
   if (i < n) {
     const void* rest[kSlots];

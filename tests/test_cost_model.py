@@ -19,7 +19,7 @@ from jax import lax
 import jaxfuse
 from jaxfuse.rewrite import cost
 
-BIG = (1 << 22) // 1024, 1024   # 4M elements: far above every size threshold
+BIG = (1 << 26) // 1024, 1024   # 64M elements: above every CPU size threshold
 SMALL = (4, 8)
 
 
@@ -104,11 +104,17 @@ def test_a_result_a_matmul_reads_is_materialized_anyway():
 
 def test_dot_epilogue_is_left_to_xla_on_gpu_only():
     f = lambda x, w, b: jax.nn.relu(x @ w + b)  # noqa: E731
-    args = (sds((4096, 1024)), sds((1024, 1024)), sds((1024,)))
+    args = (sds((1 << 16, 1024)), sds((1024, 1024)), sds((1024,)))
     on_cpu = one_site(jaxfuse.explain(f, *args, platform="cpu"))
     assert on_cpu.fused and on_cpu.cost.producers[0] == "dot"
     on_gpu = one_site(jaxfuse.explain(f, *args, platform="cuda"))
     assert on_gpu.declined_for_cost and "cuBLASLt" in on_gpu.reason
+
+
+def test_cuda_keeps_sites_with_xla_until_a_measurement_says_the_kernel_wins():
+    f = lambda a, b: jax.nn.relu(a + b)  # noqa: E731
+    site = one_site(jaxfuse.explain(f, sds(BIG), sds(BIG), platform="cuda"))
+    assert site.declined_for_cost and "any size measured" in site.reason
 
 
 def _conv(x, k, dn):
@@ -117,14 +123,14 @@ def _conv(x, k, dn):
 
 def test_nchw_convolution_is_left_to_xla_on_cpu():
     nchw = lambda x, k, b: jax.nn.relu(_conv(x, k, ("NCHW", "OIHW", "NCHW")) + b)  # noqa: E731
-    site = one_site(jaxfuse.explain(nchw, sds((64, 64, 32, 32)), sds((64, 64, 3, 3)),
+    site = one_site(jaxfuse.explain(nchw, sds((256, 64, 32, 32)), sds((64, 64, 3, 3)),
                                     sds((1, 64, 1, 1)), platform="cpu"))
     assert site.declined_for_cost and "NCHW" in site.reason
     nhwc = lambda x, k, b: jax.nn.relu(_conv(x, k, ("NHWC", "HWIO", "NHWC")) + b)  # noqa: E731
-    site = one_site(jaxfuse.explain(nhwc, sds((64, 32, 32, 64)), sds((3, 3, 64, 64)),
+    site = one_site(jaxfuse.explain(nhwc, sds((256, 32, 32, 64)), sds((3, 3, 64, 64)),
                                     sds((64,)), platform="cpu"))
     assert site.fused and site.cost.producers[0] == "conv"
-    on_gpu = one_site(jaxfuse.explain(nhwc, sds((64, 32, 32, 64)), sds((3, 3, 64, 64)),
+    on_gpu = one_site(jaxfuse.explain(nhwc, sds((256, 32, 32, 64)), sds((3, 3, 64, 64)),
                                       sds((64,)), platform="cuda"))
     assert on_gpu.declined_for_cost and "cuDNN" in on_gpu.reason
 
