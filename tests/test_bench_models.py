@@ -27,6 +27,9 @@ TINY = {
     "flax_cnn": (1, 4, 4, 8),
     "eqx_nchw_conv": (1, 8, 4, 4),
     "resnet_block": (1, 4, 4, 8),
+    "haiku_resnet_train": (2, 4, 4),
+    "linen_ffn_train": (2, 3, 8),
+    "eqx_mlp_train": (4, 8, 8),
 }
 HAVE_KERNEL = bool(jaxfuse.kernels().get("cpu")) and jax.devices()[0].platform == "cpu"
 
@@ -150,3 +153,15 @@ def test_resnet50_shapes():
     out = jax.eval_shape(apply, params, jax.ShapeDtypeStruct(in_shape, jnp.float32))
     assert out.shape == (1, 10)
     assert len(jax.tree_util.tree_leaves(params)) > 200  # 53 convs + 53 BNs + dense
+
+
+def test_library_training_steps_run_and_fuse_under_always(tmp_path, tiny, capsys):
+    wls = [w for w in ("haiku_resnet_train", "linen_ffn_train", "eqx_mlp_train") if models.missing(w) is None]
+    if not wls:
+        pytest.skip("needs the models extra")
+    rc, data = _run(tmp_path, wls)
+    assert rc == 0 and data["errors"] == [], capsys.readouterr()
+    sites = {(r["workload"], r["mode"]): r["fused_sites"] for r in data["records"]}
+    expected = {"haiku_resnet_train": 5, "linen_ffn_train": 2, "eqx_mlp_train": 3}
+    for wl in wls:
+        assert sites[(wl, "jaxfuse-always")] == expected[wl]

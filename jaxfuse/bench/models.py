@@ -63,7 +63,8 @@ import numpy as np
 from . import workloads as W
 
 MODEL_WORKLOADS = ("relu_add", "scale_shift", "dense_relu", "mlp", "mlp_train_step", "flax_cnn",
-                   "eqx_nchw_conv", "resnet_block", "stax_resnet50")
+                   "eqx_nchw_conv", "resnet_block", "stax_resnet50", "haiku_resnet_train",
+                   "linen_ffn_train", "eqx_mlp_train")
 
 SIZES: dict[str, dict[str, tuple]] = {
     "relu_add": {"quick": (1 << 20,), "cpu": (1 << 22,), "gpu": (1 << 26,)},
@@ -80,12 +81,19 @@ SIZES: dict[str, dict[str, tuple]] = {
     "resnet_block": {"quick": (4, 16, 16, 64), "cpu": (8, 32, 32, 64), "gpu": (32, 56, 56, 64)},
     # (batch, image size)
     "stax_resnet50": {"quick": (2, 64), "cpu": (4, 64), "gpu": (32, 224)},
+    # training steps of models built from the libraries' own layers: (batch, size, width)
+    "haiku_resnet_train": {"quick": (8, 16, 16), "cpu": (16, 32, 32), "gpu": (64, 56, 64)},
+    "linen_ffn_train": {"quick": (16, 32, 64), "cpu": (32, 64, 128), "gpu": (64, 256, 512)},
+    "eqx_mlp_train": {"quick": (64, 64, 128), "cpu": (128, 128, 256), "gpu": (512, 512, 1024)},
 }
 
 REQUIRES: dict[str, tuple[str, ...]] = {
     "mlp_train_step": ("optax",),
     "flax_cnn": ("flax",),
     "eqx_nchw_conv": ("equinox",),
+    "haiku_resnet_train": ("haiku", "optax"),
+    "linen_ffn_train": ("flax", "optax"),
+    "eqx_mlp_train": ("equinox", "optax"),
 }
 
 NUM_CLASSES = 10
@@ -327,7 +335,99 @@ def _stax_resnet50(size, dtype, key):
                 note=f"batch {batch}, {image}x{image}, HWCN input")
 
 
+def _train_step(loss, opt):
+    """A step over state (params, opt_state[, model_state]) -> the next state."""
+    import optax
+
+    def step(state, x, y):
+        params, opt_state, *model_state = state
+        grads, *new_model_state = jax.grad(loss, has_aux=bool(model_state))(params, *model_state, x, y) \
+            if model_state else (jax.grad(loss)(params, x, y),)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, *new_model_state)
+
+    return step
+
+
+def _xent(logits, y):
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _haiku_resnet_train(size, dtype, key):
+    import haiku as hk
+    import optax
+
+    batch, image, width = size
+
+    def net(x, is_training):
+        bn = lambda: hk.BatchNorm(create_scale=True, create_offset=True, decay_rate=0.9)  # noqa: E731
+        h = jax.nn.relu(bn()(hk.Conv2D(width, 3, with_bias=False)(x), is_training))
+        for _ in range(2):  # two residual blocks, BatchNorm in training mode
+            r = jax.nn.relu(bn()(hk.Conv2D(width, 3, with_bias=False)(h), is_training))
+            r = bn()(hk.Conv2D(width, 3, with_bias=False)(r), is_training)
+            h = jax.nn.relu(h + r)
+        return hk.Linear(NUM_CLASSES)(h.mean(axis=(1, 2)))
+
+    t = hk.transform_with_state(net)
+    x0 = jnp.zeros((batch, image, image, 3), jnp.float32)
+    params, bn_state = t.init(key, x0, True)
+    params, bn_state = _cast(params, dtype), _cast(bn_state, dtype)
+
+    def loss(p, st, x, y):
+        logits, st = t.apply(p, st, None, x, True)
+        return _xent(logits, y), st
+
+    opt = optax.sgd(1e-3)
+    state = (params, opt.init(params), bn_state)
+    return Spec(_train_step(loss, opt), state,
+                (((batch, image, image, 3), "normal"), ((batch,), "labels")),
+                (batch, image, image, 3), carry=True,
+                note=f"dm-haiku: 2 residual blocks of Conv2D+BatchNorm (training mode), width {width}")
+
+
+def _linen_ffn_train(size, dtype, key):
+    import flax.linen as nn
+    import optax
+
+    batch, tokens, dim = size
+
+    class FFN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(2):
+                h = nn.Dense(4 * dim)(nn.LayerNorm()(x))
+                x = x + nn.Dense(dim)(jax.nn.relu(h))
+            return nn.Dense(NUM_CLASSES)(x.mean(axis=1))
+
+    model = FFN()
+    params = _cast(model.init(key, jnp.zeros((1, tokens, dim), jnp.float32)), dtype)
+    opt = optax.sgd(1e-3)
+    loss = lambda p, x, y: _xent(model.apply(p, x), y)  # noqa: E731
+    return Spec(_train_step(loss, opt), (params, opt.init(params)),
+                (((batch, tokens, dim), "normal"), ((batch,), "labels")), (batch, tokens, dim),
+                carry=True, note="flax.linen: 2 x (LayerNorm, Dense 4d, relu, Dense, residual)")
+
+
+def _eqx_mlp_train(size, dtype, key):
+    import equinox as eqx
+    import optax
+
+    batch, features, width = size
+    model = eqx.nn.MLP(features, NUM_CLASSES, width_size=width, depth=3, activation=jax.nn.relu,
+                       key=key)
+    params, static = eqx.partition(_cast(model, dtype), eqx.is_array)
+    opt = optax.sgd(1e-3)
+    loss = lambda p, x, y: _xent(jax.vmap(eqx.combine(p, static))(x), y)  # noqa: E731
+    return Spec(_train_step(loss, opt), (params, opt.init(params)),
+                (((batch, features), "normal"), ((batch,), "labels")), (batch, features),
+                carry=True, note=f"equinox.nn.MLP, depth 3, width {width}")
+
+
 BUILDERS: dict[str, Callable] = {
+    "haiku_resnet_train": _haiku_resnet_train, "linen_ffn_train": _linen_ffn_train,
+    "eqx_mlp_train": _eqx_mlp_train,
     "relu_add": _relu_add, "scale_shift": _scale_shift, "dense_relu": _dense_relu, "mlp": _mlp,
     "mlp_train_step": _mlp_train_step, "flax_cnn": _flax_cnn, "eqx_nchw_conv": _eqx_nchw_conv,
     "resnet_block": _resnet_block, "stax_resnet50": _stax_resnet50,
