@@ -183,3 +183,18 @@ def test_auto_values_equal_jit(rng):
     b = random_operand(rng, (96,), np.float32)
     for f in (lambda a, b: jax.nn.relu(a + b) @ a.T, lambda a, b: jnp.sum(jax.nn.relu(jnp.exp(a) + b))):
         assert_bitwise_equal(jaxfuse.optimize(f)(a, b), jax.jit(f)(a, b))
+
+
+def test_narrow_matmul_neighbours_are_left_to_xla_on_cpu():
+    # XLA:CPU runs a bfloat16 conv/matmul in float32 and fuses the conversions
+    # into the epilogue loop: a custom call in between adds passes.
+    f = lambda x, w, b, w2: jax.nn.relu(x @ w + b) @ w2  # noqa: E731
+    for dtype in (jnp.bfloat16, jnp.float16):
+        args = (sds((1 << 16, 1024), dtype), sds((1024, 1024), dtype), sds((1024,), dtype),
+                sds((1024, 8), dtype))
+        site = one_site(jaxfuse.explain(f, *args, platform="cpu"))
+        assert site.declined_for_cost and "in float32" in site.reason
+    big = (1 << 24) // 1024, 1024
+    g = lambda a, b: jax.nn.relu(a + b)  # noqa: E731  (no matmul near: the kernel pays)
+    assert one_site(jaxfuse.explain(g, sds(big, jnp.bfloat16), sds(big, jnp.bfloat16),
+                                    platform="cpu")).fused

@@ -117,3 +117,88 @@ def test_kernel_in_a_loop_body(rng):
     got = jax.jit(lambda x: jax.lax.fori_loop(0, 8, body, x))(x)
     want = jax.jit(lambda x: jax.lax.fori_loop(0, 8, lambda i, y: jnp.maximum(y + (-0.5 * y), 0) - 0.25, x))(x)
     assert_bitwise_equal(got, want)
+
+
+# ----------------------------------------------------------- the epilogue family
+from jaxfuse import _kernels as _K  # noqa: E402
+from jaxfuse import _numerics  # noqa: E402
+from jaxfuse._sharding import local_call  # noqa: E402
+
+EPILOGUE_FORMS = {
+    "x*s+t": (dict(mean=False, prescale=False, residual=False), lambda x, m, q, s, t, r: x * s + t),
+    "x*s+t+r": (dict(mean=False, prescale=False, residual=True), lambda x, m, q, s, t, r: x * s + t + r),
+    "(x-m)*s+t": (dict(mean=True, prescale=False, residual=False), lambda x, m, q, s, t, r: (x - m) * s + t),
+    "((x-m)*q)*s+t+r": (dict(mean=True, prescale=True, residual=True),
+                        lambda x, m, q, s, t, r: ((x - m) * q) * s + t + r),
+}
+
+
+def _epilogue_kernel(flags, contract, each_op):
+    attrs = (("mean", flags["mean"]), ("prescale", flags["prescale"]), ("scale", True),
+             ("residual", flags["residual"]), ("contract", contract), ("narrow_each_op", each_op),
+             ("tie", False))
+    return jax.jit(local_call(_K.EPILOGUE_TARGET, 1, attrs))
+
+
+@pytest.mark.parametrize("form", list(EPILOGUE_FORMS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_epilogue_rounding_rule_matches_xla_gpu(rng, dtype, form):
+    """The rule jaxfuse/_numerics.py records for CUDA gives XLA:GPU's bits; on a
+    mismatch the message says which rule does (update _numerics.py with it)."""
+    flags, spelled = EPILOGUE_FORMS[form]
+    with _x64(dtype):
+        shape = (256, 384)
+        x, m, q, s, t, r = (jax.device_put(random_operand(rng, shape, dtype, specials=False), _gpu())
+                            for _ in range(6))
+        ops = [x, *([m] if flags["mean"] else []), *([q] if flags["prescale"] else []), s, t,
+               *([r] if flags["residual"] else [])]
+        want = jax.jit(lambda *a: jnp.maximum(spelled(*a), 0))(x, m, q, s, t, r)
+        rule = _numerics.rounding("cuda", dtype)
+        got = _epilogue_kernel(flags, rule.contract, rule.narrow_each_op)(*ops)
+        if not np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)):
+            matching = [(c, e) for c in (False, True) for e in (False, True)
+                        if np.array_equal(np.asarray(_epilogue_kernel(flags, c, e)(*ops)).view(np.uint8),
+                                          np.asarray(want).view(np.uint8))]
+            pytest.fail(f"{np.dtype(dtype).name} {form}: XLA:GPU is matched by (contract, "
+                        f"narrow_each_op) in {matching}, not the recorded {rule}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("shapes", [((64, 8, 8, 32), (32,)), ((16, 32, 7, 7), (1, 32, 1, 1)),
+                                    ((1000003,), ()), ((5, 3, 9), (5, 1, 9))], ids=str)
+def test_scale_shift_relu_bitwise_gpu(rng, dtype, shapes):
+    xs, vs = shapes
+    with _x64(dtype):
+        x = jax.device_put(random_operand(rng, xs, dtype), _gpu())
+        s, t, m, q = (jax.device_put(random_operand(rng, vs, dtype), _gpu()) for _ in range(4))
+        r = jax.device_put(random_operand(rng, xs, dtype), _gpu())
+        got = jax.jit(lambda *a: jaxfuse.scale_shift_relu(a[0], a[1], a[2], mean=a[3], prescale=a[4],
+                                                          residual=a[5]))(x, s, t, m, q, r)
+        want = jax.jit(lambda x, s, t, m, q, r: jnp.maximum(((x - m) * q) * s + t + r, 0))(x, s, t, m, q, r)
+        assert_bitwise_equal(got, want)
+
+
+def test_tie_mask_and_training_gradients_gpu(rng):
+    x = jax.device_put(random_operand(rng, (128, 96), np.float32, specials=False), _gpu())
+    b = -x[0]
+    for relu in (jax.nn.relu, lambda v: jnp.maximum(v, 0)):
+        loss = lambda x, b: jnp.sum(relu(x + b) @ x.T)  # noqa: E731
+        g = jax.grad(loss, (0, 1))
+        got, want = fuse(g)(x, b), jax.jit(g)(x, b)
+        for u, v in zip(got, want):
+            np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
+
+
+def test_copy_reference_target_gpu(rng):
+    x = jax.device_put(random_operand(rng, (1 << 20,), np.float32), _gpu())
+    y = jax.jit(lambda x: jax.ffi.ffi_call("jaxfuse_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))(x))(x)
+    assert_bitwise_equal(y, x)
+
+
+def test_add_relu_beyond_the_cuda_rank_limit_falls_back(rng):
+    shape = (2, 1) * 9  # 18 dims that do not merge: past the CUDA add_relu kernel's 16
+    a = jax.device_put(random_operand(rng, shape, np.float32), _gpu())
+    b = jax.device_put(random_operand(rng, tuple(1 if d == 2 else 3 for d in shape), np.float32), _gpu())
+    f = jax.jit(jaxfuse.add_relu)
+    assert "custom_call" not in f.lower(a, b).as_text()
+    assert_bitwise_equal(f(a, b), _reference(a, b))

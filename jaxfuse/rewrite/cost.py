@@ -95,6 +95,9 @@ class PlatformFacts:
     folds_conv_epilogue: bool
     transposes_nchw_conv: bool
     source: str
+    narrow_matmuls_in_f32: bool = False
+    """float16/bfloat16 matmuls and convolutions run in float32, with the
+    conversions folded into the elementwise loops around them."""
 
 
 # Thresholds: `python bench/thresholds.py` measures the smallest size from which
@@ -109,7 +112,13 @@ PLATFORMS = {
         min_elements={"float32": 1 << 24, "float64": 1 << 23, "bfloat16": 1 << 19,
                       "float16": 1 << 12},
         folds_dot_epilogue=False, folds_conv_epilogue=False, transposes_nchw_conv=True,
-        source="bench/results/thresholds-cpu-2026-12-01.txt"),
+        source="bench/results/thresholds-cpu-2026-12-01.txt",
+        # Seen in XLA:CPU's optimized HLO (jax 0.10): a bfloat16 convolution is
+        # convert -> f32 YNNPACK conv, and the convert back fuses into the
+        # BatchNorm+ReLU loop, which writes float32 for the next conv. A custom
+        # call needs the bfloat16 value written, then converted again: 1.03-1.04x
+        # XLA's time in the benchmark's resnet_block and training steps.
+        narrow_matmuls_in_f32=True),
     # Measured on an H200 (jax 0.11.2, at 76b89bd): the CUDA add+ReLU kernel took
     # 0.98-1.09x XLA's time for float32/bfloat16 at 2^24..2^28 (ahead only for
     # the bfloat16 bias form), so on CUDA no size pays yet: auto leaves every
@@ -308,6 +317,12 @@ def platform_reason(facts: SiteFacts | None, platform: str) -> str | None:
     if p.folds_conv_epilogue and ("conv" in facts.producers or "conv-nchw" in facts.producers):
         return (f"on {platform} XLA folds the bias and ReLU into cuDNN's fused convolution; "
                 f"a separate kernel adds a pass")
+    narrow = facts.dtype in ("float16", "bfloat16")
+    if p.narrow_matmuls_in_f32 and narrow and (
+            {"dot", "conv", "conv-nchw"} & set(facts.producers) or {"dot", "conv"} & set(facts.consumers)):
+        return (f"on {platform} XLA runs {facts.dtype} matmuls and convolutions in float32 and folds "
+                f"the conversions into the loop around them; a custom call needs the {facts.dtype} "
+                f"value written out and converted again")
     if p.transposes_nchw_conv and "conv-nchw" in facts.producers:
         return (f"on {platform} the convolution writes NHWC and XLA folds the transpose back "
                 f"to NCHW into its epilogue loop; the custom call's row-major operand would "
