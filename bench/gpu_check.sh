@@ -11,12 +11,15 @@
 #                    "complete": false then)
 #   bench_gpu.png    GB/s vs size with the reference-copy roofline, and the
 #                    model workloads' time ratios to XLA with their 95% intervals
+#   variants.txt     bench/cuda_variants.py: each add+ReLU kernel variant's GB/s
+#                    and time ratio to XLA, and its bits checked against XLA's
 #   summary.txt      one line per step: ok / FAILED
 #
 # Nothing can be downloaded there: the build uses the image's own jax, nanobind,
 # scikit-build-core, cmake and ninja (no build isolation, no dependency resolution).
 # Budget: the whole script must end within ~8 minutes (TOTAL_BUDGET_S, default
-# 450 s); the benchmark gets what the build and the tests left, at most 300 s.
+# 450 s); the benchmark gets what the build and the tests left, less the
+# VARIANTS_S (default 75 s) kept for the kernel variants, at most 240 s.
 # To fit, it runs 30 repetitions (not 50) and the model workloads in float32
 # only (BENCH_ARGS="--model-dtypes float32,bfloat16" adds bfloat16; later flags
 # win); float32 ops and models run first, so a timeout loses the half types.
@@ -26,7 +29,8 @@
 # Usage (repository root or anywhere):  OUT=/some/dir bash bench/gpu_check.sh
 # Knobs: PYTHON (default python3), INSTALL_TARGET (install with --target there
 # instead of into the environment), JAXFUSE_CUDA (default ON), TOTAL_BUDGET_S,
-# BUILD_TIMEOUT_S, TEST_TIMEOUT_S, BENCH_MAX_S, BENCH_ARGS (extra benchmark flags).
+# BUILD_TIMEOUT_S, TEST_TIMEOUT_S, BENCH_MAX_S, BENCH_ARGS (extra benchmark flags),
+# VARIANTS_S (0 skips the variants).
 # Syntax check on any machine:          bash -n bench/gpu_check.sh
 set -euo pipefail
 
@@ -41,7 +45,8 @@ PY="${PYTHON:-python3}"
 TOTAL_BUDGET_S="${TOTAL_BUDGET_S:-450}"
 BUILD_TIMEOUT_S="${BUILD_TIMEOUT_S:-240}"
 TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-120}"
-BENCH_MAX_S="${BENCH_MAX_S:-300}"
+BENCH_MAX_S="${BENCH_MAX_S:-240}"
+VARIANTS_S="${VARIANTS_S:-75}"
 INSTALL_TARGET="${INSTALL_TARGET:-}"  # set: pip install --target there (leaves the environment untouched)
 export PYTHONUNBUFFERED=1  # logs survive a timeout
 T0=$SECONDS
@@ -141,7 +146,7 @@ tail -n 25 "$OUT/pytest_gpu.log"
 step "pytest -m gpu" "$TEST_RC"
 
 # -------------------------------------------------------------------- benchmark
-LEFT=$(( TOTAL_BUDGET_S - (SECONDS - T0) - 15 ))
+LEFT=$(( TOTAL_BUDGET_S - (SECONDS - T0) - 15 - VARIANTS_S ))
 (( LEFT > BENCH_MAX_S )) && LEFT=$BENCH_MAX_S
 (( LEFT < 60 )) && LEFT=60
 echo "benchmark: ${LEFT}s budget"
@@ -163,6 +168,19 @@ BENCH_RC=$?
 set -e
 tail -n 80 "$OUT/bench.log"
 step "benchmark (exit 124 = timed out; partial JSON kept)" "$BENCH_RC"
+
+# ------------------------------------------------------------- kernel variants
+if (( VARIANTS_S > 0 )) && [[ $BUILD_RC -eq 0 ]]; then
+  set +e
+  (cd "$WORK" && timeout "$VARIANTS_S" "$PY" "$REPO/bench/cuda_variants.py" --reps 11 \
+     --out "$OUT/variants.txt") >"$WORK/variants.log" 2>&1
+  VARIANTS_RC=$?
+  set -e
+  # A timeout leaves no --out file: keep the progress lines instead.
+  [[ -s "$OUT/variants.txt" ]] || cp "$WORK/variants.log" "$OUT/variants.txt"
+  tail -n 60 "$OUT/variants.txt"
+  step "kernel variants (exit 1 = a variant's bits differ from XLA's)" "$VARIANTS_RC"
+fi
 
 echo "elapsed: $(( SECONDS - T0 ))s" | tee -a "$SUMMARY"
 cat "$SUMMARY"

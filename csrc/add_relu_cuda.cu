@@ -7,8 +7,12 @@
 // stream XLA gives it: no host sync, no allocation, no device-memory reads on
 // the host. It is therefore safe inside CUDA graphs and is declared
 // kCmdBufferCompatible.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -24,6 +28,29 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 8192;  // grid-stride beyond that
 constexpr int kMaxRank = 16;          // collapsed rank supported on device
+
+// Kernel variants, chosen at run time (jaxfuse._cuda_kernels.configure, from
+// JAXFUSE_CUDA_VARIANT) so a GPU can time them without a rebuild
+// (bench/cuda_variants.py). The default stays the one validated bit for bit on
+// an H200 until a measurement there picks another.
+//   0  one 16-byte vector per thread per step, up to 8192 blocks
+//   1  two vectors per thread per step (more bytes in flight), a grid sized to
+//      the SMs (8 blocks of 256 per SM), the bias column carried forward
+//      instead of a 64-bit modulo per vector
+//   2  1 + streaming stores (st.global.cs); the loads are ld.global.nc in
+//      every variant already (const __restrict__), so this differs in stores
+//   3  2 + float16/bfloat16 through the hardware conversions (cvt), where the
+//      default does the rounding in integer code
+// ptxas (sm_90): 26-42 registers for the vector kernels, no spills; a kernel
+// above 32 registers keeps fewer than 8 blocks of 256 resident per SM.
+std::atomic<int> g_variant{0};
+
+}  // namespace
+
+void ConfigureCudaVariant(int variant) { g_variant.store(variant); }
+int CudaVariant() { return g_variant.load(); }
+
+namespace {
 
 // Element ops. S: storage type.
 struct F32Op {
@@ -44,6 +71,27 @@ struct BF16Op {
   using S = uint16_t;
   static __device__ __forceinline__ S f(S x, S y) {
     return add_relu(BF16Tag{}, x, y);
+  }
+};
+
+// float16 / bfloat16 through the hardware conversions (cvt.f32.f16 /
+// shift-widen exact; cvt.rn.{f16,bf16}.f32 round to nearest even and give the
+// canonical NaN 0x7fff): the same bits as the integer code above, the same
+// instructions XLA:GPU emits.
+struct F16HwOp {
+  using S = uint16_t;
+  static __device__ __forceinline__ S f(S x, S y) {
+    float v = relu_keep_nan(__half2float(__ushort_as_half(x)) +
+                            __half2float(__ushort_as_half(y)));
+    return __half_as_ushort(__float2half_rn(v));
+  }
+};
+struct BF16HwOp {
+  using S = uint16_t;
+  static __device__ __forceinline__ S f(S x, S y) {
+    float v = relu_keep_nan(__bfloat162float(__ushort_as_bfloat16(x)) +
+                            __bfloat162float(__ushort_as_bfloat16(y)));
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
   }
 };
 
@@ -114,6 +162,85 @@ __global__ void AddReluVecKernel(const typename Op::S* __restrict__ a,
   }
 }
 
+// Variants 1-3: two vectors per thread per step. A bias operand is read at
+// its column, carried forward by the grid stride modulo the bias length.
+template <bool NC, typename S>
+__device__ __forceinline__ Vec16<S> Fetch(const S* __restrict__ p) {
+  Vec16<S> v;
+  const uint4* q = reinterpret_cast<const uint4*>(p);
+  v.raw = NC ? __ldg(q) : *q;
+  return v;
+}
+
+template <Mode M, bool NC, typename S>
+__device__ __forceinline__ Vec16<S> LoadAt(const S* __restrict__ p, int64_t i,
+                                           int64_t col) {
+  if (M == kFull) return Fetch<NC>(p + i);
+  if (M == kBias) return Fetch<NC>(p + col);
+  Vec16<S> v;
+  const S s = p[0];
+#pragma unroll
+  for (int k = 0; k < int(16 / sizeof(S)); ++k) v.e[k] = s;
+  return v;
+}
+
+template <bool NC, typename S>
+__device__ __forceinline__ void Put(S* __restrict__ p, const Vec16<S>& v) {
+  uint4* q = reinterpret_cast<uint4*>(p);
+  if (NC) {
+    __stcs(q, v.raw);
+  } else {
+    *q = v.raw;
+  }
+}
+
+template <typename Op, Mode MA, Mode MB, bool NC>
+__global__ void AddReluVec2Kernel(const typename Op::S* __restrict__ a,
+                                  const typename Op::S* __restrict__ b,
+                                  typename Op::S* __restrict__ o, int64_t n,
+                                  int64_t inner) {
+  using S = typename Op::S;
+  constexpr int kPer = 16 / sizeof(S);
+  constexpr bool kBiased = MA == kBias || MB == kBias;
+  const int64_t nvec = n / kPer;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = kBiased ? (stride * kPer) % inner : 0;
+  int64_t col = kBiased ? (v * kPer) % inner : 0;
+  auto next = [&](int64_t c) {
+    if (!kBiased) return c;
+    c += step;
+    return c >= inner ? c - inner : c;
+  };
+  for (; v + stride < nvec; v += 2 * stride) {
+    const int64_t i0 = v * kPer, i1 = (v + stride) * kPer;
+    const int64_t c0 = col, c1 = next(col);
+    Vec16<S> x0 = LoadAt<MA, NC>(a, i0, c0), y0 = LoadAt<MB, NC>(b, i0, c0);
+    Vec16<S> x1 = LoadAt<MA, NC>(a, i1, c1), y1 = LoadAt<MB, NC>(b, i1, c1);
+    Vec16<S> r0, r1;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      r0.e[k] = Op::f(x0.e[k], y0.e[k]);
+      r1.e[k] = Op::f(x1.e[k], y1.e[k]);
+    }
+    Put<NC>(o + i0, r0);
+    Put<NC>(o + i1, r1);
+    col = next(c1);
+  }
+  if (v < nvec) {
+    const int64_t i0 = v * kPer;
+    Vec16<S> x0 = LoadAt<MA, NC>(a, i0, col), y0 = LoadAt<MB, NC>(b, i0, col);
+    Vec16<S> r0;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) r0.e[k] = Op::f(x0.e[k], y0.e[k]);
+    Put<NC>(o + i0, r0);
+  }
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = nvec * kPer + tid; i < n; i += stride) {
+    o[i] = Op::f(Load<MA>(a, i, inner), Load<MB>(b, i, inner));
+  }
+}
+
 // Element-wise fallback (unaligned pointers, bias length not a multiple of
 // the vector width).
 template <typename Op, Mode MA, Mode MB>
@@ -166,6 +293,24 @@ bool Aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
+// Enough blocks of kThreads to fill every SM (8 resident per SM), at most what
+// the work needs; the kernels stride over the rest.
+int SmGrid(int64_t vectors_per_thread_step) {
+  static int sms[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
+  if (sms[dev] == 0) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0) {
+      v = 132;  // an H100/H200
+    }
+    sms[dev] = v;
+  }
+  int64_t need = (vectors_per_thread_step + kThreads - 1) / kThreads;
+  int64_t full = int64_t(sms[dev]) * 8;
+  return static_cast<int>(std::max<int64_t>(1, std::min(need, full)));
+}
+
 template <typename Op, Mode MA, Mode MB>
 void LaunchElementwise(cudaStream_t stream, const void* av, const void* bv,
                        void* ov, int64_t n, int64_t inner) {
@@ -180,9 +325,19 @@ void LaunchElementwise(cudaStream_t stream, const void* av, const void* bv,
     return m == kFull || inner % kPer == 0;
   };
   if (Aligned16(o) && ok(MA, a) && ok(MB, b)) {
-    AddReluVecKernel<Op, MA, MB>
-        <<<Blocks((n + kPer - 1) / kPer), kThreads, 0, stream>>>(a, b, o, n,
-                                                                 inner);
+    const int variant = g_variant.load(std::memory_order_relaxed);
+    const int64_t pairs = (n / kPer + 1) / 2;
+    if (variant == 0) {
+      AddReluVecKernel<Op, MA, MB>
+          <<<Blocks((n + kPer - 1) / kPer), kThreads, 0, stream>>>(a, b, o, n,
+                                                                   inner);
+    } else if (variant == 1) {
+      AddReluVec2Kernel<Op, MA, MB, false>
+          <<<SmGrid(pairs), kThreads, 0, stream>>>(a, b, o, n, inner);
+    } else {
+      AddReluVec2Kernel<Op, MA, MB, true>
+          <<<SmGrid(pairs), kThreads, 0, stream>>>(a, b, o, n, inner);
+    }
   } else {
     AddReluKernel<Op, MA, MB>
         <<<Blocks(n), kThreads, 0, stream>>>(a, b, o, n, inner);
@@ -257,8 +412,12 @@ ffi::Error AddReluCudaImpl(cudaStream_t stream, ffi::AnyBuffer a,
   switch (a.element_type()) {
     case ffi::DataType::F32: return Launch<F32Op>(stream, plan, ap, bp, op);
     case ffi::DataType::F64: return Launch<F64Op>(stream, plan, ap, bp, op);
-    case ffi::DataType::F16: return Launch<F16Op>(stream, plan, ap, bp, op);
-    case ffi::DataType::BF16: return Launch<BF16Op>(stream, plan, ap, bp, op);
+    case ffi::DataType::F16:
+      return g_variant.load() >= 3 ? Launch<F16HwOp>(stream, plan, ap, bp, op)
+                                   : Launch<F16Op>(stream, plan, ap, bp, op);
+    case ffi::DataType::BF16:
+      return g_variant.load() >= 3 ? Launch<BF16HwOp>(stream, plan, ap, bp, op)
+                                   : Launch<BF16Op>(stream, plan, ap, bp, op);
     default:  // unreachable: CheckDtypes rejected it
       return ffi::Error::InvalidArgument(
           "jaxfuse_add_relu (CUDA): unsupported dtype " +

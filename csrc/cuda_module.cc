@@ -16,6 +16,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(AddReluCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EpilogueCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CopyCuda);
 
+namespace jaxfuse {
+void ConfigureCudaVariant(int variant);  // add_relu_cuda.cu
+int CudaVariant();
+}  // namespace jaxfuse
+
 NB_MODULE(_cuda_kernels, m) {
   m.doc() = "jaxfuse CUDA kernels (XLA FFI handlers as capsules).";
   m.def("registrations", []() {
@@ -25,6 +30,15 @@ NB_MODULE(_cuda_kernels, m) {
     d["jaxfuse_copy"] = nb::capsule(reinterpret_cast<void*>(CopyCuda));  // the benchmark's reference
     return d;
   }, "Dict of FFI target name -> handler capsule (XLA FFI API, platform='CUDA').");
+  m.def("configure", [](int variant) {
+    if (variant < 0 || variant > 3) throw nb::value_error("jaxfuse CUDA variant must be 0-3");
+    jaxfuse::ConfigureCudaVariant(variant);
+  }, nb::arg("variant"), "Selects the add+ReLU kernel variant (0-3, read at each launch).");
+  m.def("settings", []() {
+    nb::dict d;
+    d["variant"] = jaxfuse::CudaVariant();
+    return d;
+  }, "The settings the CUDA kernels run with.");
   m.def("runtime_status", []() {
     int driver = 0;
     if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;

@@ -46,6 +46,21 @@ def count(name: str, default: int, environ=os.environ) -> int:
     return default
 
 
+def bounded(name: str, default: int, limit: int, environ=os.environ) -> int:
+    """An integer in [0, limit)."""
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    v = raw.strip()
+    if v.isdigit() and int(v) < limit:
+        return int(v)
+    _warn(name, raw, f"an integer from 0 to {limit - 1}", default)
+    return default
+
+
+CUDA_VARIANTS = 4  # kernel variants csrc/add_relu_cuda.cu knows
+
+
 def choice(name: str, default: str, options: tuple[str, ...], environ=os.environ) -> str:
     raw = environ.get(name)
     if raw is None or raw.strip() == "":
@@ -71,6 +86,10 @@ class Settings:
     2-core VM, non-temporal stores won nothing from 2^20 to 2^25 float32
     elements (the time goes to faulting in XLA's fresh output buffers), and in
     a loop that reads the result back they lost."""
+    cuda_variant: int = 0
+    """JAXFUSE_CUDA_VARIANT: which add+ReLU CUDA kernel variant runs (0-3, see
+    csrc/add_relu_cuda.cu); 0, the one validated on an H200, unless a
+    measurement (bench/cuda_variants.py) picks another."""
 
 
 def read(environ=os.environ) -> Settings:
@@ -80,6 +99,7 @@ def read(environ=os.environ) -> Settings:
         huge_pages=not flag("JAXFUSE_NO_MADVISE", False, environ),
         cpu_max_threads=count("JAXFUSE_CPU_MAX_THREADS", 0, environ),
         cpu_streaming={"1": "on", "0": "off"}.get(streaming, streaming),
+        cuda_variant=bounded("JAXFUSE_CUDA_VARIANT", 0, CUDA_VARIANTS, environ),
     )
 
 

@@ -81,6 +81,8 @@ def _register(platform: str) -> None:
     _modules[platform] = module
     if platform == "cpu":
         configure_cpu(_env.SETTINGS)
+    else:
+        configure_cuda(_env.SETTINGS)
 
 
 def configure_cpu(settings: _env.Settings) -> None:
@@ -89,6 +91,17 @@ def configure_cpu(settings: _env.Settings) -> None:
     if module is not None:
         streaming = {"auto": -1, "off": 0, "on": 1}[settings.cpu_streaming]
         module.configure(settings.cpu_max_threads, settings.huge_pages, streaming)
+
+
+def configure_cuda(settings: _env.Settings) -> None:
+    """Hands the CUDA kernel its variant (a timing switch, see bench/cuda_variants.py).
+
+    The variant is read at launch, not at compile time, so changing it between
+    calls of a compiled program changes which kernel runs without recompiling.
+    """
+    module = _modules.get("cuda")
+    if module is not None:
+        module.configure(settings.cuda_variant)
 
 
 def register_all() -> None:

@@ -202,3 +202,26 @@ def test_add_relu_beyond_the_cuda_rank_limit_falls_back(rng):
     f = jax.jit(jaxfuse.add_relu)
     assert "custom_call" not in f.lower(a, b).as_text()
     assert_bitwise_equal(f(a, b), _reference(a, b))
+
+
+VARIANT_SHAPES = [((7,), (7,)), ((1000003,), (1000003,)), ((1025, 4096), (4096,)),
+                  ((1031, 4104), (4104,)), ((3, 17, 33), ()), ((1 << 22) + 8, (1 << 22) + 8)]
+
+
+@pytest.mark.parametrize("variant", range(1, jaxfuse._env.CUDA_VARIANTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("a_shape,b_shape", VARIANT_SHAPES, ids=str)
+def test_every_kernel_variant_bitwise_equal_xla_gpu(rng, variant, dtype, a_shape, b_shape):
+    # bench/cuda_variants.py times the variants; each must first give XLA's bits
+    # (vector tails, a bias carried across grid strides, NaN/Inf via random_operand).
+    module = jaxfuse._kernels._modules["cuda"]
+    with _x64(dtype):
+        a = jax.device_put(random_operand(rng, a_shape, dtype), _gpu())
+        b = jax.device_put(random_operand(rng, b_shape, dtype), _gpu())
+        module.configure(variant)
+        try:
+            got = jax.jit(lambda p, q: jaxfuse.add_relu(p, q))(a, b)  # a fresh program
+            got.block_until_ready()
+        finally:
+            module.configure(jaxfuse._env.SETTINGS.cuda_variant)
+        assert_bitwise_equal(got, _reference(a, b))

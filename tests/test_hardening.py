@@ -99,13 +99,14 @@ def test_inline_cache_does_not_keep_functions_alive():
     ("JAXFUSE_DISABLE_KERNELS", "true", True), ("JAXFUSE_DISABLE_KERNELS", "No", False),
     ("JAXFUSE_DISABLE_KERNELS", "1", True), ("JAXFUSE_NO_MADVISE", "0", True),
     ("JAXFUSE_NO_MADVISE", "yes", False), ("JAXFUSE_CPU_MAX_THREADS", "3", 3),
+    ("JAXFUSE_CUDA_VARIANT", "2", 2), ("JAXFUSE_CUDA_VARIANT", " 0 ", 0),
 ])
 def test_environment_switches_parse(name, value, expected):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         s = _env.read({name: value})
     got = {"JAXFUSE_DISABLE_KERNELS": s.disable_kernels, "JAXFUSE_NO_MADVISE": s.huge_pages,
-           "JAXFUSE_CPU_MAX_THREADS": s.cpu_max_threads}[name]
+           "JAXFUSE_CPU_MAX_THREADS": s.cpu_max_threads, "JAXFUSE_CUDA_VARIANT": s.cuda_variant}[name]
     assert got == expected
 
 
@@ -113,6 +114,7 @@ def test_environment_switches_parse(name, value, expected):
     ("JAXFUSE_CPU_MAX_THREADS", "abc"), ("JAXFUSE_CPU_MAX_THREADS", "-1"),
     ("JAXFUSE_CPU_MAX_THREADS", "1.5"), ("JAXFUSE_DISABLE_KERNELS", "maybe"),
     ("JAXFUSE_NO_MADVISE", "2"), ("JAXFUSE_CPU_STREAMING", "sometimes"),
+    ("JAXFUSE_CUDA_VARIANT", "4"), ("JAXFUSE_CUDA_VARIANT", "fast"),
 ])
 def test_environment_garbage_warns_with_name_and_value(name, value):
     with pytest.warns(RuntimeWarning) as caught:
@@ -135,6 +137,23 @@ def test_cpu_kernel_receives_the_parsed_settings():
         assert_bitwise_equal(jaxfuse.add_relu(x, x), jax.jit(lambda a: jnp.maximum(a + a, 0))(x))
     finally:
         module.configure(before["max_threads"], before["huge_pages"], before["streaming"])
+
+
+def test_cuda_module_receives_the_variant_without_a_gpu():
+    # The CUDA module imports and takes its settings with no GPU (CI builds it).
+    try:
+        import jaxfuse._cuda_kernels as module
+    except ImportError:
+        pytest.skip("the CUDA module is not built here")
+    before = module.settings()["variant"]
+    try:
+        module.configure(3)
+        assert module.settings()["variant"] == 3
+        with pytest.raises(ValueError, match="0-3"):
+            module.configure(_env.CUDA_VARIANTS)
+        assert module.settings()["variant"] == 3
+    finally:
+        module.configure(before)
 
 
 def test_kernels_reports_where_a_kernel_can_run_now():
