@@ -238,6 +238,21 @@ def definition_site(fun) -> tuple[str, int] | None:
     return code.co_filename, code.co_firstlineno
 
 
+def scan_carry_slice(params: dict) -> tuple[int, int]:
+    """(first, count) of a scan body's carry inputs.
+
+    jax <0.11 spells the layout `num_consts`/`num_carry`; jax 0.11 packs it in
+    the flat tree `ft_in` = (consts, carry, xs)."""
+    if "ft_in" in params:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(list(consts)), len(list(carry))
+    return params.get("num_consts", 0), params.get("num_carry", 0)
+
+
+def while_body_nconsts(params: dict) -> int:
+    return params.get("body_nconsts", 0)
+
+
 def new_var(aval):
     return Var(aval)
 

@@ -78,10 +78,10 @@ def carries(eqn, body) -> tuple:
     jaxpr = getattr(body, "jaxpr", body)
     n = len(jaxpr.invars)
     if name == "scan":
-        first = eqn.params.get("num_consts", 0)
-        return tuple(range(first, first + eqn.params.get("num_carry", 0)))
+        first, count = C.scan_carry_slice(eqn.params)
+        return tuple(range(first, first + count))
     if name == "while" and body is eqn.params.get("body_jaxpr"):
-        return tuple(range(eqn.params.get("body_nconsts", 0), n))
+        return tuple(range(C.while_body_nconsts(eqn.params), n))
     return ()
 
 
