@@ -165,14 +165,16 @@ def _compiled(variant, args):
     return fn.lower(*args).compile()
 
 
-def choose(closed, patterns, dynamic, autotuner: Autotuner | None = None, donate=None):
-    """The fastest of the candidate programs for `closed` (a ClosedJaxpr)."""
+def choose(closed, patterns, dynamic, autotuner: Autotuner | None = None, donate=None,
+           platform: str | None = None):
+    """The fastest of the candidate programs for `closed` (a ClosedJaxpr);
+    `platform`: the one the "auto" candidate's cost model decides for."""
     from .rewrite import cost
     from .rewrite.walker import rewrite
 
     tuner = autotuner or DEFAULT
     candidates = {"xla": closed,
-                  "auto": rewrite(closed, patterns, cost=cost.CostModel())[0],
+                  "auto": rewrite(closed, patterns, cost=cost.CostModel(platform))[0],
                   "always": rewrite(closed, patterns)[0]}
     distinct: dict[str, object] = {}
     for name, variant in candidates.items():

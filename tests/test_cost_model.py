@@ -50,14 +50,54 @@ def test_materialized_operands_fuse_where_the_kernel_pays():
     assert custom_calls(jaxfuse.optimize(f), sds(BIG), sds(BIG)) == 1
 
 
-def test_too_small_a_call_is_declined_at_lowering_with_the_measurement():
+def test_too_small_a_call_is_declined_with_the_measurement():
     f = lambda a, b: jax.nn.relu(a + b)  # noqa: E731
     site = one_site(jaxfuse.explain(f, sds(SMALL), sds(SMALL), platform="cpu"))
     assert site.declined_for_cost and not site.fused
     assert "32 elements" in site.reason and cost.PLATFORMS["cpu"].source in site.reason
-    # the fused op is in the jaxpr, but it lowers to XLA's own ops: same program
     assert custom_calls(jaxfuse.optimize(f), sds(SMALL), sds(SMALL)) == 0
     assert custom_calls(jaxfuse.optimize(f, policy="always"), sds(SMALL), sds(SMALL)) == 1
+
+
+def test_lowering_declines_what_a_rewrite_for_an_unknown_platform_kept():
+    # Rewritten without knowing the platform (as for arguments committed to
+    # another device than the default), the fused op carries its facts and
+    # the lowering for the real platform still declines it.
+    from jaxfuse import _compat as C
+    from jaxfuse.rewrite.patterns import resolve
+    from jaxfuse.rewrite.walker import rewrite
+
+    f = lambda a, b: jax.nn.relu(a + b)  # noqa: E731
+    closed = jax.make_jaxpr(f)(jnp.ones(SMALL), jnp.ones(SMALL))
+    new, report = rewrite(closed, resolve(None), cost=cost.CostModel(None))
+    assert len(report.fused) == 1 and report.fused[0].cost.elements == 32
+    g = lambda a, b: C.eval_closed(new, a, b)  # noqa: E731
+    assert custom_calls(g, sds(SMALL), sds(SMALL)) == 0
+
+
+def _program(f, *args):
+    """StableHLO without what names the function or where its code lives."""
+    text = f.lower(*args).as_text()
+    text = re.sub(r"^module @\S+", "module", text, flags=re.M)
+    text = re.sub(r"jax\.result_info = \"[^\"]*\"", "", text)
+    return re.sub(r"loc\(.*?\)\s*$", "", text, flags=re.M)
+
+
+def test_a_program_with_every_site_declined_is_jits_own():
+    # A training step: grad through relu (derivative masks), BatchNorm-like
+    # centring, bfloat16 matmuls (declined on CPU for a platform reason).
+    def loss(w, x):
+        h = x @ w
+        h = (h - h.mean(0)) * 0.5 + 1.0
+        return jnp.sum(jax.nn.relu(h) @ w.T)
+
+    def step(w, x):
+        return w - 1e-3 * jax.grad(loss)(w, x)
+
+    args = (sds((512, 512), jnp.bfloat16), sds((4096, 512), jnp.bfloat16))
+    report = jaxfuse.explain(step, *args, platform="cpu")
+    assert report.sites and not report.fused, str(report)
+    assert _program(jaxfuse.optimize(step), *args) == _program(jax.jit(step), *args)
 
 
 @pytest.mark.parametrize("producer,name", [

@@ -125,11 +125,12 @@ class _Traced:
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
 
     def rewritten(self, closed, dynamic):
+        platform = trace_platform()
         if self.policy == "measure":
             from .. import tuning
             return tuning.choose(closed, self.patterns, dynamic, self.autotuner,
-                                 donate=self.tune_kwargs.get("donate_argnums"))
-        return rewrite(closed, self.patterns, cost=_cost_model(self.policy))[0]
+                                 donate=self.tune_kwargs.get("donate_argnums"), platform=platform)
+        return rewrite(closed, self.patterns, cost=_cost_model(self.policy, platform))[0]
 
 
 def _cost_model(policy: str, platform: str | None = None):
@@ -185,11 +186,6 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
     flat_fun, dynamic = _split_dynamic(fun, args, kwargs, _is_dynamic_leaf)
     closed = jax.make_jaxpr(flat_fun)(*dynamic)
     _, report = rewrite(closed, pats, C.definition_site(fun), cost=_cost_model(policy, platform))
-    if policy == "auto":
-        for site in report.fused:
-            why = _cost.platform_reason(site.cost, platform)
-            if why is not None:
-                site.fused, site.declined_for_cost, site.reason = False, True, why
     report.platform = platform
     return report
 
@@ -204,6 +200,20 @@ def _platform_of(args, kwargs) -> str:
             except Exception:  # noqa: BLE001 - a deleted array: keep looking
                 continue
     return _lowering_name(jax.devices()[0])
+
+
+def trace_platform() -> str:
+    """The platform `optimize` rewrites for while jit traces: the default device
+    (`jax.default_device` / `jax_default_device`, else the default backend),
+    where jit puts uncommitted arguments. Tracers carry no device, so arguments
+    committed elsewhere are caught at lowering instead (cost.py)."""
+    dev = jax.config.jax_default_device
+    if isinstance(dev, str):
+        try:
+            dev = jax.devices(dev)[0]
+        except RuntimeError:
+            dev = None
+    return _lowering_name(dev if dev is not None else jax.devices()[0])
 
 
 def _lowering_name(device) -> str:

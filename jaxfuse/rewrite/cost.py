@@ -16,14 +16,17 @@ What the model knows (measured; bench/results/README.md has the runs):
   * A custom call costs a few microseconds on CPU; below a size measured per
     platform and dtype the kernel cannot win that back.
 
-Decisions split in two. What holds on every platform (producers and consumers
-XLA would fuse) is decided when the jaxpr is rewritten, and such sites are left
-alone. What depends on the platform (epilogue folding, layouts, call overhead)
-is recorded on the fused op (`SiteFacts`, its `cost` parameter) and decided
-when jit lowers it for a platform: a site declined there lowers to XLA's own
-ops, the program XLA would have compiled without the rewrite. So the decision
-is made for exactly the platform being compiled for: the arguments' devices,
-or the default backend, as jit chooses.
+Decisions are made twice. When the jaxpr is rewritten: what holds on every
+platform (producers and consumers XLA would fuse), and what depends on the
+platform (epilogue folding, layouts, call overhead) for the platform the
+program is expected to be compiled for (`optimize`: the default device, as jit
+uses it for uncommitted arguments; `explain`: the arguments' devices). A site
+declined then is left alone, so a program with no fused site is exactly the
+one `jax.jit` compiles. The platform facts are also recorded on the fused op
+(`SiteFacts`, its `cost` parameter) and checked again when jit lowers it for
+the platform really compiled for (arguments committed elsewhere, export for
+several platforms): a site declined only there lowers to XLA's own ops, with
+the same values, in the rewrite's arrangement of the program.
 """
 
 from __future__ import annotations
@@ -202,9 +205,13 @@ class CostModel:
             return (f"the result is only read by ops XLA fuses into the same loop ({used_by}); "
                     f"a custom call writes it out and reads it back "
                     f"(+{_mib(2 * n_out * itemsize)})"), None
-        return None, SiteFacts(m.info.get("family").name if "family" in m.info else "site",
-                               n_out, np.dtype(out.aval.dtype).name, tuple(producers),
-                               tuple(sorted(readers)))
+        facts = SiteFacts(m.info.get("family").name if "family" in m.info else "site",
+                          n_out, np.dtype(out.aval.dtype).name, tuple(producers),
+                          tuple(sorted(readers)))
+        # Known platform: decline here, so the site keeps XLA's own program
+        # exactly (a site declined only at lowering gets XLA's ops, but in the
+        # rewrite's arrangement: inlined calls, moved derivative masks).
+        return (platform_reason(facts, self.platform) if self.platform else None), facts
 
 
 def producer_class(atom, graph, context) -> tuple[str, str | None]:
