@@ -148,9 +148,11 @@ def plot(payload: dict, path: str) -> None:
              f"({(payload.get('date') or '')[:10]})")
     if payload.get("fallback_note"):
         title += "\nFALLBACK: a jaxfuse mode did not run the jaxfuse kernel"
-    fig.suptitle(title, fontsize=11)
-    # Room for the title and, above the op panels, one legend for all of them.
-    top_in = 0.9 if "\n" in title else 0.55
+    # Fixed offsets in inches (figures here are tall): the title at the top, one
+    # legend for all op panels below it, then the panels.
+    height = fig.get_figheight()
+    fig.suptitle(title, fontsize=11, y=1.0 - 0.12 / height, va="top")
+    top_in = 0.12 + 0.24 * (title.count("\n") + 1) + 0.1
     handles, labels = {}, []
     for ax in fig.axes[:op_rows * ncol] if ops else []:
         for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -158,10 +160,9 @@ def plot(payload: dict, path: str) -> None:
                 handles[lab] = h
                 labels.append(lab)
     if labels:
-        top_in += 0.35
         fig.legend([handles[lab] for lab in labels], labels, loc="upper center", ncol=min(6, len(labels)),
-                   fontsize=8, frameon=False,
-                   bbox_to_anchor=(0.5, 1.0 - (top_in - 0.4) / fig.get_figheight()))
+                   fontsize=8, frameon=False, bbox_to_anchor=(0.5, 1.0 - top_in / height))
+        top_in += 0.35
     fig.tight_layout(rect=(0, 0, 1, 1.0 - top_in / fig.get_figheight()))
     fig.savefig(path, dpi=100)
     plt.close(fig)
