@@ -16,52 +16,9 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-from jax.example_libraries import stax
-from jax.example_libraries.stax import (AvgPool, BatchNorm, Conv, Dense, FanInSum, FanOut,
-                                        Flatten, GeneralConv, Identity, MaxPool, Relu)
 
 import jaxfuse
-
-
-# ResNet-50 as in jax's stax example: bottleneck blocks, BatchNorm, residual sums.
-def _conv_block(kernel_size, filters, strides=(2, 2)):
-    ks = kernel_size
-    f1, f2, f3 = filters
-    main = stax.serial(Conv(f1, (1, 1), strides), BatchNorm(), Relu,
-                       Conv(f2, (ks, ks), padding="SAME"), BatchNorm(), Relu,
-                       Conv(f3, (1, 1)), BatchNorm())
-    shortcut = stax.serial(Conv(f3, (1, 1), strides), BatchNorm())
-    return stax.serial(FanOut(2), stax.parallel(main, shortcut), FanInSum, Relu)
-
-
-def _identity_block(kernel_size, filters):
-    ks = kernel_size
-    f1, f2 = filters
-
-    def make_main(input_shape):
-        # the last conv restores the input's channel count
-        return stax.serial(Conv(f1, (1, 1)), BatchNorm(), Relu,
-                           Conv(f2, (ks, ks), padding="SAME"), BatchNorm(), Relu,
-                           Conv(input_shape[3], (1, 1)), BatchNorm())
-
-    main = stax.shape_dependent(make_main)
-    return stax.serial(FanOut(2), stax.parallel(main, Identity), FanInSum, Relu)
-
-
-def resnet50(num_classes=1000):
-    return stax.serial(
-        GeneralConv(("HWCN", "OIHW", "NHWC"), 64, (7, 7), (2, 2), "SAME"),
-        BatchNorm(), Relu, MaxPool((3, 3), strides=(2, 2)),
-        _conv_block(3, [64, 64, 256], strides=(1, 1)),
-        _identity_block(3, [64, 64]), _identity_block(3, [64, 64]),
-        _conv_block(3, [128, 128, 512]),
-        *[_identity_block(3, [128, 128]) for _ in range(3)],
-        _conv_block(3, [256, 256, 1024]),
-        *[_identity_block(3, [256, 256]) for _ in range(5)],
-        _conv_block(3, [512, 512, 2048]),
-        _identity_block(3, [512, 512]), _identity_block(3, [512, 512]),
-        AvgPool((7, 7)), Flatten, Dense(num_classes),
-    )
+from jaxfuse.bench.models import resnet50  # ResNet-50 as in jax's stax example
 
 
 def _median_time(fn, reps):
@@ -74,7 +31,7 @@ def _median_time(fn, reps):
 
 
 def lowering_cost(reps=5, batch=8, size=224):
-    init, apply = resnet50()
+    init, apply = resnet50(1000)
     in_shape = (size, size, 3, batch)  # HWCN, as the first GeneralConv expects
     _, params = jax.eval_shape(lambda k: init(k, in_shape), jax.random.PRNGKey(0))
     x = jax.ShapeDtypeStruct(in_shape, jnp.float32)
@@ -86,13 +43,15 @@ def lowering_cost(reps=5, batch=8, size=224):
 
     # One warm-up each fills the caches both share (jnp's inner jits, rules).
     lower_jit = lambda: jax.jit(fresh()).lower(params, x)  # noqa: E731
-    lower_opt = lambda: jaxfuse.optimize(fresh()).lower(params, x)  # noqa: E731
+    # policy="always": the pass's full work, every site fused (on CPU "auto"
+    # declines these sites and would time a cheaper rewrite).
+    lower_opt = lambda: jaxfuse.optimize(fresh(), policy="always").lower(params, x)  # noqa: E731
     lower_jit(), lower_opt()
     t_jit, t_opt = [], []
     for _ in range(reps):  # interleaved, so drift hits both alike
         t_jit.append(_median_time(lower_jit, 1))
         t_opt.append(_median_time(lower_opt, 1))
-    report = jaxfuse.explain(apply, params, x)
+    report = jaxfuse.explain(apply, params, x, policy="always")
     return statistics.median(t_jit), statistics.median(t_opt), report
 
 

@@ -51,15 +51,16 @@ class State:
             old = self.bindings[name]
             same = (old.atom is value.atom) if isinstance(old, Operand) else old is value
             return self if same else None
-        return dataclasses.replace(self, bindings={**self.bindings, name: value})
+        # Direct construction: dataclasses.replace is slow on this hot path.
+        return State({**self.bindings, name: value}, self.eqns, self.notes)
 
     def absorb(self, *eqns) -> "State":
         have = {id(e) for e in self.eqns}
         new = tuple(e for e in eqns if id(e) not in have)
-        return dataclasses.replace(self, eqns=(*self.eqns, *new))
+        return State(self.bindings, (*self.eqns, *new), self.notes) if new else self
 
     def note(self, key, value) -> "State":
-        return dataclasses.replace(self, notes={**self.notes, key: value})
+        return State(self.bindings, self.eqns, {**self.notes, key: value})
 
 
 EMPTY = State({}, (), {})

@@ -41,6 +41,7 @@ class Graph:
         self._outer = dict(outer or {})
         self._producer: dict[Any, C.JaxprEqn] = {}
         self._uses: dict[Any, int] = {}
+        self._users: dict[Any, list[C.JaxprEqn]] = {}
         self._position: dict[int, int] = {}
         for i, eqn in enumerate(jaxpr.eqns):
             self._position[id(eqn)] = i
@@ -49,6 +50,10 @@ class Graph:
             for a in eqn.invars:
                 if C.is_var(a):
                     self._uses[a] = self._uses.get(a, 0) + 1
+                    readers = self._users.setdefault(a, [])
+                    if not readers or readers[-1] is not eqn:  # an eqn reading a twice: once
+                        readers.append(eqn)
+        self._memo: dict[Any, Any] = {}
         self._outputs: dict[Any, int] = {}
         for a in jaxpr.outvars:
             if C.is_var(a):
@@ -84,7 +89,17 @@ class Graph:
         return found[0] if found else None
 
     def users(self, atom) -> list[C.JaxprEqn]:
+        """The equations reading `atom`, each once, in program order."""
+        if C.is_var(atom):
+            return list(self._users.get(atom, ()))
         return [e for e in self.jaxpr.eqns if any(a is atom for a in e.invars)]
+
+    def cached(self, key, compute):
+        """`compute()`, once per `key` for this graph: matchers' analyses of an
+        equation (its ReLU spelling, say) are asked for by every pattern."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def sub(self, jaxpr: C.Jaxpr, consts, operands) -> "Graph":
         """A graph of a callee body whose invars are bound to `operands` here."""

@@ -148,7 +148,7 @@ def _match_relu(atom, graph, state):
     eqn = graph.producer(atom)
     if eqn is None:
         return
-    sp = spelling(eqn, graph)
+    sp = graph.cached(("relu spelling", id(eqn)), lambda: spelling(eqn, graph))
     if sp is None:
         return
     yield state.absorb(eqn, *sp.extra).note("relu", sp), sp.operand

@@ -78,9 +78,11 @@ class _Walk:
         return result, sites, skipped
 
     def descend(self, eqn, graph, frozen, context, sites, skipped):
-        """Post-order: rewrite the bodies of a higher-order equation first."""
+        """Post-order: rewrite the bodies of a higher-order equation first.
+        `graph()`: the enclosing jaxpr's Graph (built on first use: only the
+        cost model reads it)."""
         def visit(b, seg, freeze):
-            inner = self.cost.context_for(eqn, b, graph, context) if self.cost is not None else None
+            inner = self.cost.context_for(eqn, b, graph(), context) if self.cost is not None else None
             new, inner_sites, inner_skipped = self.body(b, freeze, inner, subjaxprs.carries(eqn, b))
             sites.extend(s.rebased(seg, (eqn.source_info,)) for s in inner_sites)
             skipped.extend(k.rebased(seg, (eqn.source_info,)) for k in inner_skipped)
@@ -100,10 +102,16 @@ class _Walk:
 
     def jaxpr(self, jaxpr, consts, frozen, context, carries=()):
         sites, skipped = [], []
-        pre = Graph(jaxpr, consts)
+        pre = []
+
+        def graph():
+            if not pre:
+                pre.append(Graph(jaxpr, consts))
+            return pre[0]
+
         eqns, changed = [], False
         for eqn in jaxpr.eqns:
-            new = self.descend(eqn, pre, frozen, context, sites, skipped)
+            new = self.descend(eqn, graph, frozen, context, sites, skipped)
             changed |= new is not eqn
             eqns.append(new)
         view_eqns, groups, inlined = _inline_small_calls(eqns)
@@ -377,6 +385,10 @@ def _restore_unused_calls(eqns, groups):
     """Puts back every inlined call none of whose equations a rewrite used (and
     none of whose inner values a rewrite reads)."""
     present = {id(e) for e in eqns}
+    readers: dict[int, set] = {}  # variable id -> ids of the equations reading it
+    for e in eqns:
+        for a in e.invars:
+            readers.setdefault(id(a), set()).add(id(e))
     out, done = [], set()
     first = {}
     for call, copy in groups:
@@ -384,7 +396,7 @@ def _restore_unused_calls(eqns, groups):
             continue
         mine = {id(e) for e in copy}
         inner = {id(v) for e in copy for v in e.outvars} - {id(v) for v in call.outvars}
-        if any(id(a) in inner for e in eqns if id(e) not in mine for a in e.invars):
+        if any(readers.get(v, mine) - mine for v in inner):
             continue
         first[id(copy[0])] = call
         done.update(mine)
