@@ -364,3 +364,24 @@ def test_a_loop_carry_is_updated_in_place(rng):
     if "custom_call" in opt.lower(a, b).as_text():
         body = opt.lower(a, b).compile().as_text().split("ENTRY")[0]
         assert "copy(" not in body  # no copy of the result into the carry buffer
+
+
+# ------------------------------------------------------------------ the graph
+def test_graph_readers_are_each_equation_reading_a_value_once_in_order():
+    from jaxfuse.rewrite.graph import Graph
+
+    def f(x, y):
+        s = x * x          # reads x twice: listed once
+        t = jnp.sin(y) + x
+        return s + t, x
+    closed = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones(3))
+    graph = Graph(closed.jaxpr, closed.consts)
+    for v in [*closed.jaxpr.invars, *(o for e in closed.jaxpr.eqns for o in e.outvars)]:
+        scan = [e for e in closed.jaxpr.eqns if any(a is v for a in e.invars)]
+        assert graph.users(v) == scan
+    x = closed.jaxpr.invars[0]
+    assert [e.primitive.name for e in graph.users(x)] == ["mul", "add"]
+    assert graph.uses(x) == 4  # two operands of mul, one of add, one program output
+    calls = []
+    assert graph.cached("k", lambda: calls.append(1) or 7) == 7
+    assert graph.cached("k", lambda: calls.append(1) or 8) == 7 and calls == [1]
