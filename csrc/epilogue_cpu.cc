@@ -143,8 +143,6 @@ class ScopedFlushDenormal {
 // ---------------------------------------------------------------------------
 // Block kernels: n contiguous elements of each operand present.
 // ---------------------------------------------------------------------------
-// Operand slots, in the order the handlers receive operands.
-enum Slot { kX = 0, kM = 1, kQ = 2, kS = 3, kT = 4, kR = 5, kSlots = 6 };
 
 using BlockFn = void (*)(const void* const* in, void* out, uint8_t* tie,
                          int64_t n);
@@ -789,13 +787,8 @@ ffi::Error EpilogueCpuImpl(ffi::ThreadPool pool, ffi::RemainingArgs args,
                            bool scale, bool residual, bool contract,
                            bool narrow_each_op, bool tie) {
   const char* op = "jaxfuse_epilogue";
-  int slots[kMaxOperands], n = 0;
-  slots[n++] = kX;
-  if (mean) slots[n++] = kM;
-  if (prescale) slots[n++] = kQ;
-  if (scale) slots[n++] = kS;
-  slots[n++] = kT;
-  if (residual) slots[n++] = kR;
+  int slots[kMaxOperands];
+  const int n = EpilogueSlots(mean, prescale, scale, residual, slots);
   if (args.size() != static_cast<size_t>(n) ||
       rets.size() != static_cast<size_t>(tie ? 2 : 1)) {
     return ffi::Error::InvalidArgument(

@@ -28,7 +28,6 @@ constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 8192;  // grid-stride beyond that
 constexpr int kMaxDeviceRank = 24;    // collapsed dims of the strided walk
 
-enum Slot { kX = 0, kM = 1, kQ = 2, kS = 3, kT = 4, kR = 5, kSlots = 6 };
 
 struct Operand {
   const void* p;
@@ -155,13 +154,8 @@ ffi::Error EpilogueCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
                             bool scale, bool residual, bool contract,
                             bool narrow_each_op, bool tie) {
   const char* op = "jaxfuse_epilogue (CUDA)";
-  int slots[kMaxOperands], n = 0;
-  slots[n++] = kX;
-  if (mean) slots[n++] = kM;
-  if (prescale) slots[n++] = kQ;
-  if (scale) slots[n++] = kS;
-  slots[n++] = kT;
-  if (residual) slots[n++] = kR;
+  int slots[kMaxOperands];
+  const int n = EpilogueSlots(mean, prescale, scale, residual, slots);
   if (args.size() != static_cast<size_t>(n) ||
       rets.size() != static_cast<size_t>(tie ? 2 : 1) ||
       ((mean || prescale) && !scale)) {

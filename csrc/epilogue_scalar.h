@@ -48,6 +48,23 @@ struct Form {
 
 using AddForm = Form<false, false, false, false, false>;  // add_relu: x + t
 
+// Operand slots of jaxfuse_epilogue, in the order its handlers receive the
+// operands present (the lowering passes them in this order).
+enum Slot { kX = 0, kM = 1, kQ = 2, kS = 3, kT = 4, kR = 5, kSlots = 6 };
+
+// The slots of the operands a call with these attributes has; their count.
+inline int EpilogueSlots(bool mean, bool prescale, bool scale, bool residual,
+                         int* slots) {
+  int n = 0;
+  slots[n++] = kX;
+  if (mean) slots[n++] = kM;
+  if (prescale) slots[n++] = kQ;
+  if (scale) slots[n++] = kS;
+  slots[n++] = kT;
+  if (residual) slots[n++] = kR;
+  return n;
+}
+
 JF_HD float fma_any(float a, float b, float c) {
 #if JF_DEVICE_CODE
   return __fmaf_rn(a, b, c);
