@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from typing import Any, Iterable
 
 import numpy as np
@@ -187,6 +188,16 @@ def current_user_frame() -> tuple[str, int] | None:
     return user_frame(source_info_util.current())
 
 
+def warn_at_user_line(message: str, category=RuntimeWarning, where=None) -> None:
+    """A warning attributed to `where` (file, line), else to the user's line
+    now running, rather than to the jaxfuse or jax frame that raised it."""
+    where = where or current_user_frame()
+    if where is None:
+        warnings.warn(message, category, stacklevel=3)
+    else:
+        warnings.warn_explicit(message, category, where[0], where[1])
+
+
 def first_user_frame(source_infos: Iterable) -> tuple[str, int] | None:
     for info in source_infos:
         found = user_frame(info)
@@ -236,6 +247,24 @@ def definition_site(fun) -> tuple[str, int] | None:
     if not _is_user_filename(code.co_filename):
         return None
     return code.co_filename, code.co_firstlineno
+
+
+def default_device():
+    """The device jit places uncommitted arguments on: `jax.default_device` /
+    `jax_default_device` (a device or a platform name), else the default
+    backend's first device."""
+    dev = jax.config.jax_default_device
+    if isinstance(dev, str):
+        try:
+            dev = jax.devices(dev)[0]
+        except RuntimeError:  # a platform this process does not have
+            dev = None
+    return dev if dev is not None else jax.devices()[0]
+
+
+def is_extended_dtype(dtype) -> bool:
+    """PRNG key arrays and other dtypes numpy cannot hold."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
 def scan_carry_slice(params: dict) -> tuple[int, int]:

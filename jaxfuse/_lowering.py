@@ -48,12 +48,8 @@ def _warn_fallback(ctx, platform: str, why: str) -> None:
                f"XLA's own ops instead")
     # Lowering runs deep inside jax: point at the user's line that holds the
     # site, or else the one that asked for the compilation.
-    where = (C.user_frame_of_traceback(getattr(ctx, "traceback", None))
-             or C.current_user_frame())
-    if where is None:
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-    else:
-        warnings.warn_explicit(message, RuntimeWarning, where[0], where[1])
+    C.warn_at_user_line(message, RuntimeWarning,
+                        C.user_frame_of_traceback(getattr(ctx, "traceback", None)))
 
 
 def _reference_lowering(reference, multiple_results):

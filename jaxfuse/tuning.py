@@ -13,12 +13,16 @@ one with the smallest median wins -- in the manner of tokamax's
 The decision is remembered in a small JSON file per key under the cache
 directory (`JAXFUSE_CACHE_DIR`, default `$XDG_CACHE_HOME/jaxfuse/tuning` or
 `~/.cache/jaxfuse/tuning`). The key holds the device kind, the jax, jaxlib
-and jaxfuse versions, a fingerprint of the jaxpr and the argument shapes and
-dtypes: a new version, device or program never reuses an old decision.
+and jaxfuse versions, fingerprints of the jaxpr and of each distinct candidate
+(so of the patterns and the platform the cost model decided for), and the
+argument shapes and dtypes: a new version, device, pattern set or program
+never reuses an old decision. A cache directory that cannot be written warns
+and keeps the decision for the process.
 `jaxfuse.tuning.cache()` inspects and clears it.
 
 A program with effects (callbacks, prints) is not timed -- running it again
-would repeat them -- and gets the cost model's choice.
+would repeat them -- and gets the cost model's choice; so does one that closes
+over an enclosing trace's values or takes PRNG keys (no stand-in data for them).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import hashlib
 import json
 import os
 import statistics
+import threading
 import time
 from typing import Callable
 
@@ -53,12 +58,15 @@ class TuningCache:
 
     def __init__(self, path: str | None = None):
         self.path = path or _default_dir()
+        self._unwritten: dict[str, str] = {}  # decisions the directory refused, by file
 
     def _file(self, key: dict) -> str:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
         return os.path.join(self.path, f"{digest}.json")
 
     def get(self, key: dict) -> str | None:
+        if self._file(key) in self._unwritten:
+            return self._unwritten[self._file(key)]
         try:
             with open(self._file(key)) as f:
                 entry = json.load(f)
@@ -71,13 +79,19 @@ class TuningCache:
         return entry["choice"]
 
     def put(self, key: dict, choice: str, medians: dict) -> None:
-        os.makedirs(self.path, exist_ok=True)
         target = self._file(key)
-        tmp = f"{target}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"key": key, "choice": choice, "median_s": medians,
-                       "written": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
-        os.replace(tmp, target)
+        tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump({"key": key, "choice": choice, "median_s": medians,
+                           "written": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
+            os.replace(tmp, target)
+        except OSError as e:
+            # The decision still holds for this process; only persisting failed.
+            self._unwritten[target] = choice
+            C.warn_at_user_line(f"jaxfuse: cannot write the tuning cache at {self.path!r} "
+                                f"({e}); set JAXFUSE_CACHE_DIR to a writable directory")
 
     def entries(self) -> list[dict]:
         """Every decision stored, as dicts with key, choice and median_s."""
@@ -135,17 +149,38 @@ class Autotuner:
 DEFAULT = Autotuner()
 
 
-def _key(closed, dynamic) -> dict:
+def _fingerprint(program) -> str:
+    return hashlib.sha256(str(program).encode()).hexdigest()
+
+
+def _key(closed, variants: dict, patterns) -> dict:
+    """What a decision depends on: the device it was timed on (the default
+    device, where the candidates are compiled and run), the versions, the
+    program and every distinct candidate (which the patterns and the cost
+    model's platform shape), the argument and constant shapes."""
     import jaxlib
 
     from . import __version__
 
+    device = C.default_device()
     avals = [f"{a.dtype}{list(a.shape)}" for a in closed.in_avals]
-    fingerprint = hashlib.sha256(str(closed.jaxpr).encode()).hexdigest()
     consts = [f"{np.asarray(c).dtype}{list(np.shape(c))}" for c in closed.consts]
-    return {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
+    return {"device": device.device_kind, "platform": device.platform,
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "jaxfuse": __version__,
-            "jaxpr": fingerprint, "args": avals, "consts": consts}
+            "jaxpr": _fingerprint(closed.jaxpr), "args": avals, "consts": consts,
+            "patterns": sorted(p.name for p in patterns),
+            "candidates": {name: _fingerprint(v) for name, v in variants.items()}}
+
+
+def _untimeable(closed) -> bool:
+    """Programs `choose` cannot run on stand-in data: effects (running them
+    again would repeat them), constants that are an enclosing trace's values,
+    inputs or constants of dtypes numpy cannot make (PRNG keys)."""
+    return bool(closed.jaxpr.effects
+                or any(isinstance(c, C.Tracer) for c in closed.consts)
+                or any(C.is_extended_dtype(a.dtype) for a in closed.in_avals)
+                or any(C.is_extended_dtype(getattr(c, "dtype", np.float32))
+                       for c in closed.consts))
 
 
 def _inputs(closed, seed: int = 0):
@@ -165,8 +200,7 @@ def _compiled(variant, args):
     return fn.lower(*args).compile()
 
 
-def choose(closed, patterns, dynamic, autotuner: Autotuner | None = None, donate=None,
-           platform: str | None = None):
+def choose(closed, patterns, autotuner: Autotuner | None = None, platform: str | None = None):
     """The fastest of the candidate programs for `closed` (a ClosedJaxpr);
     `platform`: the one the "auto" candidate's cost model decides for."""
     from .rewrite import cost
@@ -180,9 +214,9 @@ def choose(closed, patterns, dynamic, autotuner: Autotuner | None = None, donate
     for name, variant in candidates.items():
         if not any(variant is v or str(variant) == str(v) for v in distinct.values()):
             distinct[name] = variant
-    if len(distinct) == 1 or closed.jaxpr.effects:
+    if len(distinct) == 1 or _untimeable(closed):
         return candidates["auto"]
-    key = _key(closed, dynamic)
+    key = _key(closed, distinct, patterns)
     choice = tuner.cache.get(key)
     if choice is not None:
         return candidates[choice]

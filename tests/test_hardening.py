@@ -242,3 +242,37 @@ def test_serialized_program_runs_after_import_alone(tmp_path, kind):
     done = subprocess.run([sys.executable, str(script), kind, str(path)], cwd=tmp_path,
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_equal_callables_each_keep_their_own_optimized_function():
+    import dataclasses
+    import gc
+
+    @dataclasses.dataclass(frozen=True)
+    class Block:
+        alpha: float
+
+        def __call__(self, a, b):
+            return jax.nn.relu(a + b) * self.alpha
+
+    g1, g2 = jaxfuse.optimize(Block(2.0)), jaxfuse.optimize(Block(2.0))
+    x = jnp.linspace(-1.0, 1.0, 8)
+    np.testing.assert_array_equal(g2(x, x), jax.nn.relu(x + x) * 2.0)
+    del g1
+    gc.collect()
+    y = jnp.linspace(-1.0, 1.0, 16)  # a new shape: g2 traces again, after g1 is gone
+    np.testing.assert_array_equal(g2(y, y), jax.nn.relu(y + y) * 2.0)
+
+
+def test_a_method_of_an_object_without_weak_references_optimizes():
+    class Layer:
+        __slots__ = ("alpha",)
+
+        def __init__(self, alpha):
+            self.alpha = alpha
+
+        def apply(self, a, b):
+            return jax.nn.relu(a + b) * self.alpha
+
+    layer, x = Layer(2.0), jnp.linspace(-1.0, 1.0, 8)
+    np.testing.assert_array_equal(jaxfuse.optimize(layer.apply)(x, x), jax.jit(layer.apply)(x, x))

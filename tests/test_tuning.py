@@ -120,3 +120,52 @@ def test_effects_are_not_repeated(tmp_path, args):
     jax.block_until_ready(jaxfuse.optimize(noisy, policy="measure", autotuner=t)(*args))
     jax.effects_barrier()
     assert t.timer.calls == [] and len(seen) == 1
+
+
+def test_a_decision_is_not_reused_for_another_pattern_set(tmp_path, args):
+    first = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+    jax.make_jaxpr(jaxfuse.optimize(program, policy="measure", autotuner=first))(*args)
+    # the same program, the same cache, other patterns: other candidates, timed anew
+    second = tuner(tmp_path, {"xla": 1.0, "always": 2.0, "auto": 3.0})
+    opt = jaxfuse.optimize(program, policy="measure", patterns=["add_relu"], autotuner=second)
+    assert fused_count(jax.make_jaxpr(opt)(*args)) == 0
+    assert second.log and second.log[0][1] == "xla"
+    assert second.log[0][0]["patterns"] == ["add_relu"]
+
+
+def test_closing_over_an_outer_trace_gets_the_cost_models_choice(tmp_path, args):
+    t = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+    a, b = args
+
+    @jax.jit
+    def outer(b):
+        return jaxfuse.optimize(lambda a: program(a, b), policy="measure", autotuner=t)(a)
+
+    np.testing.assert_allclose(outer(b), jax.jit(program)(a, b), rtol=1e-5)
+    assert t.timer.calls == []  # no stand-in for the outer trace's value: not timed
+
+
+def test_prng_key_arguments_get_the_cost_models_choice(tmp_path, args):
+    t = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+
+    def noisy(key, a, b):
+        return program(a + jax.random.normal(key, a.shape), b)
+
+    key = jax.random.key(0)
+    got = jaxfuse.optimize(noisy, policy="measure", autotuner=t)(key, *args)
+    np.testing.assert_allclose(got, jax.jit(noisy)(key, *args), rtol=1e-5)
+    assert t.timer.calls == []
+
+
+def test_an_unwritable_cache_warns_and_keeps_the_decision(tmp_path, args):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    t = tuning.Autotuner(rounds=3, timer=FakeTimer({"xla": 2.0, "always": 1.0, "auto": 3.0}),
+                         cache=tuning.cache(str(blocker / "tuning")))
+    with pytest.warns(RuntimeWarning, match="cannot write the tuning cache"):
+        opt = jaxfuse.optimize(program, policy="measure", autotuner=t)
+        assert fused_count(jax.make_jaxpr(opt)(*args)) == 1
+    calls = len(t.timer.calls)
+    again = jaxfuse.optimize(lambda a, b: program(a, b), policy="measure", autotuner=t)
+    assert fused_count(jax.make_jaxpr(again)(*args)) == 1
+    assert len(t.timer.calls) == calls  # remembered for the process, not timed again

@@ -98,10 +98,9 @@ class _Traced:
     strongly), so a cache of these keyed by that function never keeps it alive.
     """
 
-    def __init__(self, fun, patterns, policy, autotuner, tune_kwargs):
+    def __init__(self, fun, patterns, policy, autotuner):
         self._fun = _weak(fun)
         self.patterns, self.policy, self.autotuner = patterns, policy, autotuner
-        self.tune_kwargs = tune_kwargs
         for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
             try:
                 setattr(self, attr, getattr(fun, attr))
@@ -120,16 +119,15 @@ class _Traced:
         # values for the static ones; only the tracers become jaxpr inputs.
         flat_fun, dynamic = _split_dynamic(fun, args, kwargs, C.is_tracer_leaf)
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
-        new = self.rewritten(closed, dynamic)
+        new = self.rewritten(closed)
         out = C.eval_closed(new, *dynamic)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
 
-    def rewritten(self, closed, dynamic):
+    def rewritten(self, closed):
         platform = trace_platform()
         if self.policy == "measure":
             from .. import tuning
-            return tuning.choose(closed, self.patterns, dynamic, self.autotuner,
-                                 donate=self.tune_kwargs.get("donate_argnums"), platform=platform)
+            return tuning.choose(closed, self.patterns, self.autotuner, platform=platform)
         return rewrite(closed, self.patterns, cost=_cost_model(self.policy, platform))[0]
 
 
@@ -138,11 +136,9 @@ def _cost_model(policy: str, platform: str | None = None):
 
 
 def _weak(fun):
-    if inspect.ismethod(fun):
-        return weakref.WeakMethod(fun)
     try:
-        return weakref.ref(fun)
-    except TypeError:
+        return weakref.WeakMethod(fun) if inspect.ismethod(fun) else weakref.ref(fun)
+    except TypeError:  # e.g. a method of an object with __slots__ and no __weakref__
         return lambda: fun
 
 
@@ -154,11 +150,21 @@ def _traced_for(fun, patterns, policy, autotuner, jit_kwargs) -> _Traced:
     try:
         per_fun = _TRACED.setdefault(fun, {})
     except TypeError:  # unhashable or not weakly referenceable: no cache
-        return _Traced(fun, patterns, policy, autotuner, jit_kwargs)
+        return _Traced(fun, patterns, policy, autotuner)
     traced = per_fun.get(key)
-    if traced is None or traced.autotuner is not autotuner:
-        traced = per_fun[key] = _Traced(fun, patterns, policy, autotuner, jit_kwargs)
+    # The cache finds functions by equality, as jit does; an entry made for an
+    # equal but distinct callable holds that one (weakly), not `fun`.
+    if traced is None or traced.autotuner is not autotuner or not _same(traced._fun(), fun):
+        traced = per_fun[key] = _Traced(fun, patterns, policy, autotuner)
     return traced
+
+
+def _same(held, fun) -> bool:
+    """`held` is `fun` itself (bound methods: the same function of the same object)."""
+    if held is fun:
+        return True
+    return (inspect.ismethod(fun) and inspect.ismethod(held)
+            and held.__func__ is fun.__func__ and held.__self__ is fun.__self__)
 
 
 # ------------------------------------------------------------------ explain
@@ -199,7 +205,7 @@ def _platform_of(args, kwargs) -> str:
                 return _lowering_name(next(iter(leaf.devices())))
             except Exception:  # noqa: BLE001 - a deleted array: keep looking
                 continue
-    return _lowering_name(jax.devices()[0])
+    return trace_platform()
 
 
 def trace_platform() -> str:
@@ -207,13 +213,7 @@ def trace_platform() -> str:
     (`jax.default_device` / `jax_default_device`, else the default backend),
     where jit puts uncommitted arguments. Tracers carry no device, so arguments
     committed elsewhere are caught at lowering instead (cost.py)."""
-    dev = jax.config.jax_default_device
-    if isinstance(dev, str):
-        try:
-            dev = jax.devices(dev)[0]
-        except RuntimeError:
-            dev = None
-    return _lowering_name(dev if dev is not None else jax.devices()[0])
+    return _lowering_name(C.default_device())
 
 
 def _lowering_name(device) -> str:
