@@ -80,7 +80,7 @@ def optimize(fun: Callable | None = None, *, policy: str = "auto", patterns=None
     if (info is not None and (info.patterns, info.policy, info.autotuner) == (pats, policy, autotuner)
             and not jit_kwargs):
         return fun  # already optimized with these options: nothing more to do
-    traced = _traced_for(fun, pats, policy, autotuner, jit_kwargs)
+    traced = _traced_for(fun, pats, policy, autotuner)
     jitted = jax.jit(traced, **jit_kwargs)
     try:
         setattr(jitted, _INFO, _Optimized(jitted, fun, pats, _static_spec(jit_kwargs), policy,
@@ -145,8 +145,8 @@ def _weak(fun):
 _TRACED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _traced_for(fun, patterns, policy, autotuner, jit_kwargs) -> _Traced:
-    key = (patterns, policy, id(autotuner), bool(jit_kwargs.get("donate_argnums")))
+def _traced_for(fun, patterns, policy, autotuner) -> _Traced:
+    key = (patterns, policy, id(autotuner))
     try:
         per_fun = _TRACED.setdefault(fun, {})
     except TypeError:  # unhashable or not weakly referenceable: no cache
