@@ -238,3 +238,28 @@ def test_narrow_matmul_neighbours_are_left_to_xla_on_cpu():
     g = lambda a, b: jax.nn.relu(a + b)  # noqa: E731  (no matmul near: the kernel pays)
     assert one_site(jaxfuse.explain(g, sds(big, jnp.bfloat16), sds(big, jnp.bfloat16),
                                     platform="cpu")).fused
+
+
+def test_optimize_rewrites_for_the_default_device_jit_uses(monkeypatch):
+    from jaxfuse import _compat as C
+    from jaxfuse.rewrite import api
+
+    cpus = jax.devices("cpu")
+    with jax.default_device(cpus[-1]):
+        assert C.default_device() == cpus[-1]
+        assert api.trace_platform() == "cpu"
+    jax.config.update("jax_default_device", "cpu")  # a platform name is accepted too
+    try:
+        assert C.default_device().platform == "cpu"
+    finally:
+        jax.config.update("jax_default_device", None)
+    # the rewrite asks for the platform while jit traces: a small site that CPU's
+    # measured threshold declines is kept for a platform without size rules
+    f = lambda a, b: (jax.nn.relu(a + b), a @ b.T)  # noqa: E731
+    small = (sds(SMALL), sds(SMALL))
+    assert custom_calls(jaxfuse.optimize(f), *small) == 0
+    assert "add_relu" not in str(jax.make_jaxpr(jaxfuse.optimize(f))(*small))  # declined at rewrite
+    monkeypatch.setattr(api, "trace_platform", lambda: "tpu")
+    g = lambda a, b: f(a, b)  # noqa: E731 - a new function: jit traces it afresh
+    new = jax.make_jaxpr(jaxfuse.optimize(g))(*small)
+    assert "add_relu" in str(new)
