@@ -165,20 +165,15 @@ def build(mt: Match, graph: Graph):
     inplace = next((k for k in mt.info.get("dead_operands", ())
                     if mt.info["operands"][k].via is None
                     and tuple(mt.info["operands"][k].shape) == tuple(out.aval.shape)), None)
+    # Optional params are left out when unset, so a plain site's params stay minimal.
+    optional = {k: v for k, v in (("cost", cost), ("inplace", inplace)) if v is not None}
     if family.name == "add_relu" and not needs_tie:
-        params = {"grad_at_zero": sp.grad_at_zero}
-        if cost is not None:
-            params["cost"] = cost
-        if inplace is not None:
-            params["inplace"] = inplace
+        params = {"grad_at_zero": sp.grad_at_zero, **optional}
         eqns.append(C.new_eqn(atoms, [out], add_relu_p, params, like=like, effects=effects))
     else:
         params = {"mean": family.mean, "prescale": family.prescale, "scale": family.scale,
-                  "residual": family.residual, "tie": needs_tie, "grad_at_zero": sp.grad_at_zero}
-        if cost is not None:
-            params["cost"] = cost
-        if inplace is not None:
-            params["inplace"] = inplace
+                  "residual": family.residual, "tie": needs_tie, "grad_at_zero": sp.grad_at_zero,
+                  **optional}
         eqns.append(C.new_eqn(atoms, [out, tie_var] if needs_tie else [out], epilogue_p,
                               params, like=like, effects=effects))
     eqns.extend(M.build(found, out, tie_var, like=like))

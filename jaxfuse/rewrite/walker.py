@@ -396,7 +396,7 @@ def _restore_unused_calls(eqns, groups):
             continue
         mine = {id(e) for e in copy}
         inner = {id(v) for e in copy for v in e.outvars} - {id(v) for v in call.outvars}
-        if any(readers.get(v, mine) - mine for v in inner):
+        if any(readers.get(v, frozenset()) - mine for v in inner):
             continue
         first[id(copy[0])] = call
         done.update(mine)
