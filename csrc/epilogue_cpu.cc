@@ -20,6 +20,13 @@
 //    `out = f(a, b)` from four passes to three on warm buffers. Off by
 //    default: through jax, where XLA hands out fresh output buffers, it won
 //    nothing measurable (jaxfuse/_env.py).
+//  * Pacing: either handler accepts one operand more than it reads, and
+//    ignores it. XLA:CPU runs a program it estimates under 1000 flops inline on
+//    the dispatching thread, and counts a custom call as -1 flops, so a
+//    program holding nothing but these calls would run synchronously, its
+//    outputs allocated on the dispatching thread (jaxfuse/_lowering.py says
+//    what that costs). The lowering feeds large calls a small value computed
+//    by XLA, whose flops put the program back on XLA's asynchronous path.
 //  * Large calls are split into chunks claimed by the calling thread and by
 //    helpers on XLA's intra-op pool; the caller never waits for a chunk nobody
 //    has started, so this cannot deadlock, and a late helper finds no work.
@@ -32,6 +39,7 @@
 #include <string>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -777,7 +785,9 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
 
 // --- jaxfuse_add_relu: max(a + b, 0) ---------------------------------------
 ffi::Error AddReluCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer a,
-                          ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out) {
+                          ffi::AnyBuffer b,
+                          std::optional<ffi::AnyBuffer> /*pacing*/,
+                          ffi::Result<ffi::AnyBuffer> out) {
   const ffi::AnyBuffer* ops[2] = {&a, &b};
   const int slots[2] = {kX, kT};
   return Execute(pool, "jaxfuse_add_relu", ops, slots, 2, &*out, nullptr,
@@ -792,7 +802,9 @@ ffi::Error EpilogueCpuImpl(ffi::ThreadPool pool, ffi::RemainingArgs args,
   const char* op = "jaxfuse_epilogue";
   int slots[kMaxOperands];
   const int n = EpilogueSlots(mean, prescale, scale, residual, slots);
-  if (args.size() != static_cast<size_t>(n) ||
+  // One more operand than the flags name is a pacing value (see "Pacing").
+  if ((args.size() != static_cast<size_t>(n) &&
+       args.size() != static_cast<size_t>(n) + 1) ||
       rets.size() != static_cast<size_t>(tie ? 2 : 1)) {
     return ffi::Error::InvalidArgument(
         std::string(op) + ": expected " + std::to_string(n) + " operands and " +
@@ -835,6 +847,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddReluCpu, jaxfuse::AddReluCpuImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()  // pacing
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpilogueCpu, jaxfuse::EpilogueCpuImpl,

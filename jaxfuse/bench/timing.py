@@ -30,16 +30,18 @@ tiny calls are not lost in timer resolution).
 
 Why both, always: they rank implementations differently, on CPU too.  Measured
 on XLA:CPU (jax 0.10): a program whose estimated flops are under 1000 is run
-*inline on the calling thread*, and a custom call counts as zero flops.  So a
-program made of nothing but a jaxfuse call runs synchronously -- dispatch
+*inline on the calling thread*, and a custom call counts as -1 flops.  So a
+program made of nothing but a small jaxfuse call runs synchronously -- dispatch
 returns when the kernel is done -- while XLA's own fused loop of the same op
 (``n`` flops) is dispatched asynchronously onto the CPU client's thread pool.
 In latency mode both pay the full call; in throughput mode XLA's calls overlap
 their dispatch with execution (and independent calls may run concurrently on
-the pool) while jaxfuse's do not.  A real program holding the custom call
-(anything with a matmul or a convolution beside it) is over the threshold and
-dispatched asynchronously either way, so this asymmetry is particular to the
-op-level workloads; the model-level workloads measure the other case.
+the pool) while jaxfuse's do not.  Calls with outputs of 8 MiB or more are
+paced (``jaxfuse._lowering._paced``) and dispatched asynchronously like XLA's.
+A real program holding the custom call (anything with a matmul or a
+convolution beside it) is over the threshold and dispatched asynchronously
+either way, so this asymmetry is particular to the op-level workloads; the
+model-level workloads measure the other case.
 
 Modes are interleaved: repetition ``r`` takes one sample of every (case, timing
 mode), in an order rotated by ``r``, so slow drift (clocks, thermals, other

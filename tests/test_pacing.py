@@ -1,0 +1,132 @@
+"""Pacing: large CPU kernel calls are handed a small value XLA computes, so a
+program of nothing but kernel calls is not one XLA:CPU runs inline on the
+dispatching thread (flops under 1000; a custom call counts -1). The kernels
+ignore the value; the results must not change.
+"""
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+from jaxfuse import _lowering, _sharding
+from conftest import assert_bitwise_equal, random_operand
+
+pytest.importorskip("jaxfuse._cpu_kernels", reason="jaxfuse built without its CPU extension")
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU lowering")
+
+# float32 elements of the smallest paced output, and of one just below it.
+PACED = _lowering._CPU_PACING_MIN_BYTES // 4
+UNPACED = PACED // 2
+
+
+def _operands_of_calls(hlo: str) -> list[int]:
+    """Operand count of every jaxfuse custom call in a StableHLO module."""
+    calls = re.findall(r"stablehlo\.custom_call @jaxfuse_\w+\(([^)]*)\)", hlo)
+    return [len([a for a in c.split(",") if a.strip()]) for c in calls]
+
+
+def _flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return cost["flops"]
+
+
+def _relu_add(a, b):
+    return jax.nn.relu(a + b)
+
+
+@pytest.mark.parametrize("shape, b_shape", [((PACED // 1024, 1024), (PACED // 1024, 1024)),
+                                            ((PACED // 1024, 1024), (1024,)),
+                                            ((PACED + 3,), ())])
+def test_a_large_call_is_paced_and_its_values_do_not_change(rng, shape, b_shape):
+    a = random_operand(rng, shape, np.float32)
+    b = random_operand(rng, b_shape, np.float32)
+    opt = jax.jit(jaxfuse.optimize(_relu_add, policy="always"))
+    lowered = opt.lower(a, b)
+    assert _operands_of_calls(lowered.as_text()) == [3]
+    # The program's estimate is over XLA:CPU's inline threshold.
+    assert _flops(lowered.compile()) >= 1000
+    assert_bitwise_equal(opt(a, b), jax.jit(_relu_add)(a, b))
+
+
+def test_a_small_call_stays_inline(rng):
+    a = random_operand(rng, (UNPACED // 1024, 1024), np.float32)
+    b = random_operand(rng, (1024,), np.float32)
+    opt = jax.jit(jaxfuse.optimize(_relu_add, policy="always"))
+    lowered = opt.lower(a, b)
+    assert _operands_of_calls(lowered.as_text()) == [2]
+    assert _flops(lowered.compile()) < 1000
+    assert_bitwise_equal(opt(a, b), jax.jit(_relu_add)(a, b))
+
+
+def test_the_epilogue_is_paced_with_every_operand_kept(rng):
+    n = PACED // 512
+    x = random_operand(rng, (n, 512), np.float32)
+    s, t = (random_operand(rng, (512,), np.float32) for _ in range(2))
+    r = random_operand(rng, (n, 512), np.float32)
+    f = lambda x, s, t, r: jax.nn.relu(x * s + t + r)  # noqa: E731
+    opt = jax.jit(jaxfuse.optimize(f, policy="always"))
+    lowered = opt.lower(x, s, t, r)
+    assert _operands_of_calls(lowered.as_text()) == [5]
+    assert _flops(lowered.compile()) >= 1000
+    assert_bitwise_equal(opt(x, s, t, r), jax.jit(f)(x, s, t, r))
+
+
+def test_a_large_output_of_small_operands_is_not_paced(rng):
+    # An outer sum: no operand has the elements a pacing value is made of.
+    a = random_operand(rng, (1536, 1), np.float32)
+    b = random_operand(rng, (1, 1536), np.float32)
+    assert a.size * b.size >= PACED
+    assert a.size < _sharding.PACING_ELEMENTS and b.size < _sharding.PACING_ELEMENTS
+    opt = jax.jit(jaxfuse.optimize(_relu_add, policy="always"))
+    assert _operands_of_calls(opt.lower(a, b).as_text()) == [2]
+    assert_bitwise_equal(opt(a, b), jax.jit(_relu_add)(a, b))
+
+
+def test_a_paced_loop_carry_is_still_updated_in_place(rng):
+    x = random_operand(rng, (PACED // 1024, 1024), np.float32)
+    b = random_operand(rng, (1024,), np.float32)
+    f = lambda x, b: jax.lax.fori_loop(0, 3, lambda i, y: jax.nn.relu(y + b), x)  # noqa: E731
+    opt = jax.jit(jaxfuse.optimize(f, policy="always"))
+    lowered = opt.lower(x, b)
+    assert _operands_of_calls(lowered.as_text()) == [3]
+    body = lowered.compile().as_text().split("ENTRY")[0]
+    assert "copy(" not in body
+    assert_bitwise_equal(opt(x, b), jax.jit(f)(x, b))
+
+
+def test_the_gradient_of_a_paced_site_matches_jit(rng):
+    a = random_operand(rng, (PACED // 1024, 1024), np.float32, specials=False)
+    a[:7] = 0.0  # exact ties: relu's derivative there is 0
+    b = np.zeros((1024,), np.float32)
+    loss = lambda a, b: jnp.sum(jax.nn.relu(a + b) * 1.5)  # noqa: E731
+    g_ref = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)
+    g = jax.jit(jax.grad(jaxfuse.optimize(loss, policy="always"), argnums=(0, 1)))(a, b)
+    for x, y in zip(g, g_ref):
+        assert_bitwise_equal(x, y)
+
+
+def test_the_handlers_ignore_one_pacing_operand():
+    from jaxfuse import _cpu_kernels
+
+    regs = _cpu_kernels.registrations()
+    jax.ffi.register_ffi_target("_jaxfuse_pacing_test_add_relu", regs["jaxfuse_add_relu"],
+                                platform="cpu")
+    jax.ffi.register_ffi_target("_jaxfuse_pacing_test_epilogue", regs["jaxfuse_epilogue"],
+                                platform="cpu")
+    a = jnp.arange(-8.0, 8.0, dtype=jnp.float32)
+    out = jax.ShapeDtypeStruct(a.shape, a.dtype)
+    add_relu = jax.ffi.ffi_call("_jaxfuse_pacing_test_add_relu", out)
+    np.testing.assert_array_equal(add_relu(a, a, jnp.ones(5)), np.maximum(2 * np.asarray(a), 0))
+    attrs = dict(mean=False, prescale=False, scale=False, residual=False, contract=False,
+                 narrow_each_op=False, tie=False)
+    epilogue = jax.ffi.ffi_call("_jaxfuse_pacing_test_epilogue", [out])
+    np.testing.assert_array_equal(epilogue(a, a, jnp.ones(5), **attrs)[0],
+                                  np.maximum(2 * np.asarray(a), 0))
+    # The epilogue counts its operands from its flags: one extra, no more.
+    with pytest.raises(Exception, match="expected 2 operands"):
+        jax.block_until_ready(epilogue(a, a, a, a, **attrs))
