@@ -86,8 +86,8 @@ class Settings:
     2-core VM, non-temporal stores won nothing from 2^20 to 2^25 float32
     elements (the time goes to faulting in XLA's fresh output buffers), and in
     a loop that reads the result back they lost. Measured again once large
-    calls were paced (bench/results/cpu-steady-state-2026-12-01.txt): faster
-    at 2^22 in half the cases, slower at 2^23."""
+    calls were paced (bench/results/cpu-steady-state-2026-12-01.txt): a few
+    percent faster at 2^22, slower at 2^23."""
     cuda_variant: int = 0
     """JAXFUSE_CUDA_VARIANT: which add+ReLU CUDA kernel variant runs (0-3, see
     csrc/add_relu_cuda.cu); 0, the one validated on an H200, unless a
