@@ -39,7 +39,6 @@
 #include <string>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <thread>
 #include <vector>
 
@@ -785,9 +784,13 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
 
 // --- jaxfuse_add_relu: max(a + b, 0) ---------------------------------------
 ffi::Error AddReluCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer a,
-                          ffi::AnyBuffer b,
-                          std::optional<ffi::AnyBuffer> /*pacing*/,
+                          ffi::AnyBuffer b, ffi::RemainingArgs pacing,
                           ffi::Result<ffi::AnyBuffer> out) {
+  if (pacing.size() > 1) {
+    return ffi::Error::InvalidArgument(
+        "jaxfuse_add_relu: expected 2 operands and at most one pacing value, got " +
+        std::to_string(2 + pacing.size()) + " operands");
+  }
   const ffi::AnyBuffer* ops[2] = {&a, &b};
   const int slots[2] = {kX, kT};
   return Execute(pool, "jaxfuse_add_relu", ops, slots, 2, &*out, nullptr,
@@ -847,7 +850,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddReluCpu, jaxfuse::AddReluCpuImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()  // pacing
+                                  .RemainingArgs()  // a pacing value, if any
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpilogueCpu, jaxfuse::EpilogueCpuImpl,

@@ -33,8 +33,9 @@ _warned: set[str] = set()
 # them a site lowers to XLA's own ops there.
 _CUDA_MAX_RANK = {"jaxfuse_add_relu": 16, "jaxfuse_epilogue": 24}
 
-# Output bytes from which a CPU call is paced (`_paced`).
-_CPU_PACING_MIN_BYTES = 8 << 20
+# Bytes a CPU call reads and writes from which it is paced (`_paced`): between
+# the 16 MiB measured better inline and the 24 MiB measured better paced.
+_CPU_PACING_MIN_BYTES = 20 << 20
 
 
 @contextlib.contextmanager
@@ -83,24 +84,28 @@ def _fits_device(ctx, platform, target) -> bool:
     return rank <= _CUDA_MAX_RANK[target]
 
 
-def _paced(platform: str, aval) -> bool:
+def _paced(platform: str, avals) -> bool:
     """Whether this call gets a pacing value (`_sharding.pacing_value`).
 
     XLA:CPU runs a program it estimates under 1000 flops inline on the thread
     that dispatched it, and counts a custom call as -1 flops: a program holding
     only kernel calls ran synchronously while XLA's own fusion of the same op
-    ran on its thread pool. Measured on the 2-core VM, float32 relu(a + b) with
-    calls back to back: at 2^22 elements the kernel's outputs, allocated on the
-    dispatching thread, page-faulted on every call (26-155 faults) where XLA's
-    took none, and a call took 1.7-1.9x XLA's time; handed a pacing value, the
-    same kernel took no faults and XLA's time. Smaller calls stay inline: at
-    2^20 elements (4 MiB) their outputs did not fault, and pacing turned the
-    kernel's 0.7-0.8x of XLA's time into a tie, the hand-off to the pool
-    costing what the kernel had won.
+    ran on its thread pool. Measured on the 2-core VM, float32 at 2^22
+    elements, calls back to back (bench/results/cpu-steady-state-2026-12-01.txt):
+    the kernel's outputs, allocated on the dispatching thread, page-faulted on
+    every call (26-51 faults) where XLA's took none, and a call took 1.7-2.0x
+    XLA's time; in a program XLA did not run inline, the same kernel took no
+    faults and 1.0-1.2x. Calls that touch less stay inline, where the hand-off
+    to the pool costs what the kernel wins: paced, float32 at 2^20 elements
+    went from 0.61-0.92x of XLA's time to 0.88-1.03x, and the bias form at 2^21
+    (16 MiB touched) from 0.74-1.00x to 0.94-1.15x, while `a + b` at 2^21
+    (24 MiB) went from up to 1.34x to 0.93-1.04x. Shapes with symbolic
+    dimensions (shape-polymorphic export) are not paced: their size is unknown.
     """
-    if platform != "cpu":
+    if platform != "cpu" or not all(isinstance(d, int) for a in avals for d in a.shape):
         return False
-    return math.prod(aval.shape) * aval.dtype.itemsize >= _CPU_PACING_MIN_BYTES
+    touched = sum(math.prod(a.shape) * a.dtype.itemsize for a in avals)
+    return touched >= _CPU_PACING_MIN_BYTES
 
 
 def _kernel_lowering(platform: str, target: str, reference, attrs_of):
@@ -122,7 +127,7 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
         if inplace is not None and tuple(ctx.avals_in[inplace].shape) != tuple(ctx.avals_out[0].shape):
             inplace = None
         call = local_call(target, len(ctx.avals_out), attrs, inplace=inplace,
-                          pace=_paced(platform, ctx.avals_out[0]))
+                          pace=_paced(platform, (*ctx.avals_in, *ctx.avals_out)))
         return mlir.lower_fun(call, multiple_results=len(ctx.avals_out) > 1)(ctx, *args)
 
     return lower

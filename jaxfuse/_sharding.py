@@ -114,15 +114,14 @@ PACING_ELEMENTS = 2048
 
 
 def pacing_value(operands):
-    """A small value XLA computes from the largest operand (None when every
-    operand is too small to give one): passed to a CPU kernel that ignores it,
-    its flops keep a program of nothing but kernel calls off XLA:CPU's inline
-    path (see `_lowering`)."""
+    """A small value XLA computes at run time from the first element of the
+    largest operand: passed to a CPU kernel that ignores it, its flops keep a
+    program of nothing but kernel calls off XLA:CPU's inline path (see
+    `_lowering._paced`). Reading one element, it costs the same whatever the
+    operands' shapes."""
     src = max(operands, key=lambda x: x.size)
-    if src.size < PACING_ELEMENTS:
-        return None
-    flat = jax.lax.reshape(src, (src.size,))
-    return jax.lax.slice(flat, (0,), (PACING_ELEMENTS,)) * jax.numpy.asarray(2, src.dtype)
+    first = jax.lax.reshape(jax.lax.slice(jax.lax.reshape(src, (src.size,)), (0,), (1,)), ())
+    return jax.lax.iota(src.dtype, PACING_ELEMENTS) * first
 
 
 def local_call(target: str, n_results: int, attrs: tuple, inplace: int | None = None,
