@@ -16,7 +16,7 @@ from .rewrite import Match, Pattern, Report, Site, Skipped, explain, optimize, r
 # program holding our custom calls runs in a process that only imported jaxfuse.
 _register_all()
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["add_relu", "scale_shift_relu", "add_relu_p", "epilogue_p", "SERVED_DTYPES", "kernels",
            "optimize", "explain", "register_pattern", "Pattern", "Match", "Report", "Site",
            "Skipped", "tuning"]
