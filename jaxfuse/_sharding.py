@@ -139,9 +139,8 @@ def local_call(target: str, n_results: int, attrs: tuple, inplace: int | None = 
         if n_results == 2:
             results.append(jax.ShapeDtypeStruct(out_shape, bool))
         aliases = {inplace: 0} if inplace is not None else None
-        extra = pacing_value(operands) if pace else None
-        if extra is not None:
-            operands = [*operands, extra]
+        if pace:
+            operands = [*operands, pacing_value(operands)]
         outs = jax.ffi.ffi_call(target, results, input_output_aliases=aliases)(
             *operands, **dict(attrs))
         return tuple(outs) if n_results > 1 else outs[0]
