@@ -28,8 +28,9 @@
 //    what that costs). The lowering feeds large calls a small value computed
 //    by XLA, whose flops put the program back on XLA's asynchronous path.
 //  * Large calls are split into chunks claimed by the calling thread and by
-//    helpers on XLA's intra-op pool; the caller never waits for a chunk nobody
-//    has started, so this cannot deadlock, and a late helper finds no work.
+//    helpers on XLA's intra-op pool, each from its own contiguous region
+//    first; the caller never waits for a chunk nobody has started, so this
+//    cannot deadlock, and a late helper finds no work.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -656,19 +657,50 @@ void AdviseHugePages(void* p, size_t bytes) {
 constexpr int64_t kMinChunk = 64 * 1024;  // elements a worker is worth
 constexpr int64_t kChunk = 64 * 1024;     // elements per claim (line-aligned)
 
+// Each worker owns a contiguous region of chunks and claims them in order, so
+// its loads and stores run as one long stream the hardware prefetchers follow;
+// a worker whose region is empty takes the next unclaimed chunks of the
+// others'. Measured on the 2-core VM, float32, 2^21-2^23 elements: in a C
+// loop, chunks dealt alternately to two threads took 1.05-1.15x the time of
+// one contiguous half each, regions 0.97-1.06x; through jax, the kernel's own
+// time with regions against alternate chunks, paired in one process, had
+// medians of 0.84-0.86x (bias form) and 0.91-0.98x (a + b).
+struct alignas(64) Region {
+  std::atomic<int64_t> next{0};
+  int64_t end = 0;
+};
+
 struct Job {
   Call call;
   int64_t total, chunk, nchunks;
-  std::atomic<int64_t> next{0};
+  int64_t nregions;
+  std::unique_ptr<Region[]> regions;
+  std::atomic<int64_t> tickets{0};
   std::atomic<int64_t> done{0};
 
+  void Plan(int64_t workers) {
+    nregions = workers;
+    regions = std::make_unique<Region[]>(workers);
+    for (int64_t r = 0; r < workers; ++r) {
+      regions[r].next.store(nchunks * r / workers, std::memory_order_relaxed);
+      regions[r].end = nchunks * (r + 1) / workers;
+    }
+  }
+
+  // Own region first (a worker arriving after all have started helps the
+  // first), then the others' in turn.
   void Work() {
-    for (;;) {
-      int64_t i = next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= nchunks) return;
-      int64_t lo = i * chunk, hi = std::min(total, lo + chunk);
-      RunRange(call, lo, hi, ThreadScratch());
-      done.fetch_add(1, std::memory_order_release);
+    const int64_t own =
+        tickets.fetch_add(1, std::memory_order_relaxed) % nregions;
+    for (int64_t k = 0; k < nregions; ++k) {
+      Region& reg = regions[(own + k) % nregions];
+      for (;;) {
+        int64_t i = reg.next.fetch_add(1, std::memory_order_relaxed);
+        if (i >= reg.end) break;
+        int64_t lo = i * chunk, hi = std::min(total, lo + chunk);
+        RunRange(call, lo, hi, ThreadScratch());
+        done.fetch_add(1, std::memory_order_release);
+      }
     }
   }
 };
@@ -768,6 +800,7 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
   job->total = total;
   job->chunk = chunk;
   job->nchunks = (total + chunk - 1) / chunk;
+  job->Plan(workers);
   for (int64_t w = 1; w < workers; ++w) {
     // The task owns a reference: it may run after this handler returned, in
     // which case it finds no chunk left and touches nothing.

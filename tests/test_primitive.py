@@ -89,6 +89,45 @@ def test_large_array_uses_all_paths(rng):
     assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(m, bias), reference(m, bias))
 
 
+CHUNK = 1 << 16  # elements per claim in the CPU kernel (csrc/epilogue_cpu.cc, kChunk)
+
+
+@pytest.mark.skipif(not jaxfuse.kernels()["cpu"], reason="needs the CPU kernel")
+@pytest.mark.parametrize("threads", [0, 1, 2, 3], ids=lambda t: f"threads{t}")
+@pytest.mark.parametrize("streaming", [0, 1], ids=["plain", "streamed"])
+def test_work_split_covers_every_element_once(rng, threads, streaming):
+    """Chunk counts that split unevenly into per-thread regions, ragged tails,
+    rows that straddle chunks, and the tie output: every element written once,
+    bit for bit, whatever the thread cap and store path."""
+    from jaxfuse import _kernels
+    from jaxfuse._primitive import epilogue_p, epilogue_reference
+
+    module = _kernels._modules["cpu"]
+    before = module.settings()
+    try:
+        module.configure(threads, before["huge_pages"], streaming)
+        for n in (2 * CHUNK + 1, 5 * CHUNK - 3, 7 * CHUNK + CHUNK // 2):
+            a, b = random_operand(rng, (n,), np.float32), random_operand(rng, (n,), np.float32)
+            assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), reference(a, b))
+        x = random_operand(rng, (1031, 509), np.float32)  # 8.0 chunks, rows across chunk ends
+        bias = random_operand(rng, (509,), np.float32)
+        assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(x, bias), reference(x, bias))
+        h = random_operand(rng, (777, 1030), jnp.bfloat16)
+        hb = random_operand(rng, (1030,), jnp.bfloat16)
+        assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(h, hb), reference(h, hb))
+        s, t = random_operand(rng, (1, 509), np.float32), random_operand(rng, (1, 509), np.float32)
+        t[:, ::3] = 0.0
+        x[:, ::3] = 0.0  # x * s + t == 0 exactly: ties in every chunk
+        params = dict(mean=False, scale=True, residual=False, tie=True, grad_at_zero=0.0)
+        out, tie = jax.jit(lambda *o: epilogue_p.bind(*o, **params))(x, s, t)
+        want_out, want_tie = jax.jit(lambda *o: epilogue_reference(*o, **params))(x, s, t)
+        assert_bitwise_equal(out, want_out)
+        np.testing.assert_array_equal(tie, want_tie)
+        assert np.asarray(tie).any()
+    finally:
+        module.configure(before["max_threads"], before["huge_pages"], before["streaming"])
+
+
 def test_eager_call_matches(rng):
     a, b = random_operand(rng, (5, 3), np.float32), random_operand(rng, (3,), np.float32)
     assert_bitwise_equal(jaxfuse.add_relu(a, b), reference(a, b))
