@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one script for the lent GPU machine (H200): build jaxfuse with its CUDA
 # kernel, run the GPU tests, run the full benchmark.  Everything goes to $OUT:
-#   env.txt          GPU, driver, python, jax, where jaxfuse was imported from, kernels()
+#   env.txt          GPU, driver, python, jax, where jaxfuse was imported from, kernels(),
+#                    the vector kernels' global loads/stores by width (SASS)
 #   build.log        pip install --no-build-isolation (JAXFUSE_CUDA=ON)
 #   pytest_gpu.log   python -m pytest -m gpu
 #   bench.log        one progress line per case (ratio to XLA, verdict), then
@@ -135,6 +136,12 @@ import jaxfuse, jaxfuse._kernels as k
 print("jaxfuse imported from", jaxfuse.__file__)
 print("kernels()", jaxfuse.kernels(), "| cuda:", k.why_not("cuda") or "ok")
 ') 2>&1 | tee -a "$OUT/env.txt" || true
+
+# SASS of the same-shape vector kernels (16-byte LDG/STG?), appended to env.txt;
+# needs the toolkit's cuobjdump, says so when it is missing.
+(cd "$WORK" && SO="$("$PY" -c 'import jaxfuse._cuda_kernels as m; print(m.__file__)' 2>/dev/null)" \
+   && timeout 60 "$PY" "$REPO/bench/vector_access.py" --so "$SO" --match ", 0, 0") \
+  >>"$OUT/env.txt" 2>&1 || echo "SASS: not read (no CUDA module or no cuobjdump)" >>"$OUT/env.txt"
 
 # ------------------------------------------------------------------------ tests
 set +e
