@@ -45,8 +45,9 @@ constexpr int kMaxRank = 16;          // collapsed rank supported on device
 // above 32 registers keeps fewer than 8 blocks of 256 resident per SM.
 // PTX (sm_90, nvcc 13.0; bench/vector_access.py, tests/test_cuda_vector_access.py):
 // every vector kernel loads 16 bytes per operand (ld.global.nc.v4) and stores
-// 16 (st.global.v4, or st.global.cs.v4 in variants 2-3); in those the scalar
-// tail's loads lose .nc. gpu_check.sh reads the SASS where cuobjdump exists.
+// 16 (st.global.v4, or st.global.cs.v4 in variants 2-3; there the loads of the
+// scalar tail, under one vector, lose .nc). gpu_check.sh reads the SASS where
+// cuobjdump exists.
 std::atomic<int> g_variant{0};
 
 }  // namespace
