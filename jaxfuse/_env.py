@@ -87,7 +87,10 @@ class Settings:
     elements (the time goes to faulting in XLA's fresh output buffers), and in
     a loop that reads the result back they lost. Measured again once large
     calls were paced (bench/results/cpu-steady-state-2026-12-01.txt): a few
-    percent faster at 2^22, slower at 2^23."""
+    percent faster at 2^22, slower at 2^23; the kernel's own time, streamed
+    (a probe build staging 256 elements, not 2048) against plain, 1.01-1.22x
+    at 2^21-2^23: XLA hands it the same output buffer every call, which plain
+    stores still find in the cache."""
     cuda_variant: int = 0
     """JAXFUSE_CUDA_VARIANT: which add+ReLU CUDA kernel variant runs (0-3, see
     csrc/add_relu_cuda.cu); 0, the one validated on an H200, unless a
