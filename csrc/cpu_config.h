@@ -19,6 +19,16 @@ CpuSettings CurrentCpuSettings();
 // Bytes a call must touch before auto mode streams its output past the cache.
 int64_t StreamingThresholdBytes();
 
+// Tests only: split every large call into this many regions (0: one per
+// worker, the default), whatever the pool has; and what the last split did.
+void ForceRegionsForTests(int64_t regions);
+struct SplitStats {
+  int64_t calls;    // calls split over regions since the module loaded
+  int64_t workers;  // threads the last of them offered work to (caller included)
+  int64_t regions;  // regions it was split into
+};
+SplitStats LastSplit();
+
 }  // namespace jaxfuse
 
 #endif  // JAXFUSE_CPU_CONFIG_H_

@@ -38,4 +38,16 @@ NB_MODULE(_cpu_kernels, m) {
     d["streaming_threshold_bytes"] = jaxfuse::StreamingThresholdBytes();
     return d;
   }, "The settings in force, and the bytes a call must touch before auto mode streams.");
+  m.def("force_regions_for_tests", [](int64_t regions) {
+    jaxfuse::ForceRegionsForTests(regions);
+  }, nb::arg("regions"),
+  "Tests only: split every large call into this many regions (0: one per worker).");
+  m.def("last_split", []() {
+    jaxfuse::SplitStats st = jaxfuse::LastSplit();
+    nb::dict d;
+    d["calls"] = st.calls;
+    d["workers"] = st.workers;
+    d["regions"] = st.regions;
+    return d;
+  }, "Calls split over regions so far, and the last one's workers and regions.");
 }

@@ -68,6 +68,13 @@ namespace {
 std::atomic<int64_t> g_max_threads{0};
 std::atomic<bool> g_huge_pages{true};
 std::atomic<int> g_streaming{0};  // jaxfuse/_env.py says why off
+// Tests only: split every call into this many regions (0: one per worker),
+// so splits the pool here cannot reach, and a caller whose helpers never
+// run, get exercised; and what the last split call did.
+std::atomic<int64_t> g_forced_regions{0};
+std::atomic<int64_t> g_split_calls{0};
+std::atomic<int64_t> g_last_workers{0};
+std::atomic<int64_t> g_last_regions{0};
 
 // The last-level cache this core shares, from sysfs (what lscpu shows); glibc's
 // sysconf can report a whole package's L3 instead (256 MiB on an EPYC VM whose
@@ -116,6 +123,14 @@ CpuSettings CurrentCpuSettings() {
 }
 
 int64_t StreamingThresholdBytes() { return LastLevelCacheBytes(); }
+
+void ForceRegionsForTests(int64_t regions) {
+  g_forced_regions.store(regions < 0 ? 0 : regions);
+}
+
+SplitStats LastSplit() {
+  return {g_split_calls.load(), g_last_workers.load(), g_last_regions.load()};
+}
 
 namespace {
 
@@ -656,6 +671,7 @@ void AdviseHugePages(void* p, size_t bytes) {
 // ---------------------------------------------------------------------------
 constexpr int64_t kMinChunk = 64 * 1024;  // elements a worker is worth
 constexpr int64_t kChunk = 64 * 1024;     // elements per claim (line-aligned)
+static_assert(kMinChunk >= kChunk, "a worker must have a chunk of its own");
 
 // Each worker owns a contiguous region of chunks and claims them in order, so
 // its loads and stores run as one long stream the hardware prefetchers follow;
@@ -678,17 +694,17 @@ struct Job {
   std::atomic<int64_t> tickets{0};
   std::atomic<int64_t> done{0};
 
-  void Plan(int64_t workers) {
-    nregions = workers;
-    regions = std::make_unique<Region[]>(workers);
-    for (int64_t r = 0; r < workers; ++r) {
-      regions[r].next.store(nchunks * r / workers, std::memory_order_relaxed);
-      regions[r].end = nchunks * (r + 1) / workers;
+  void Plan(int64_t n) {
+    nregions = n;
+    regions = std::make_unique<Region[]>(n);
+    for (int64_t r = 0; r < n; ++r) {
+      regions[r].next.store(nchunks * r / n, std::memory_order_relaxed);
+      regions[r].end = nchunks * (r + 1) / n;
     }
   }
 
-  // Own region first (a worker arriving after all have started helps the
-  // first), then the others' in turn.
+  // Own region first (one per worker, or fewer workers than regions under
+  // ForceRegionsForTests), then the others' in turn.
   void Work() {
     const int64_t own =
         tickets.fetch_add(1, std::memory_order_relaxed) % nregions;
@@ -787,7 +803,11 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
   const int64_t cap = g_max_threads.load(std::memory_order_relaxed);
   if (cap > 0) workers = std::min(workers, cap);
   workers = std::min<int64_t>(workers, total / kMinChunk);
-  if (workers <= 1) {
+  const int64_t nchunks = (total + kChunk - 1) / kChunk;
+  const int64_t forced = g_forced_regions.load(std::memory_order_relaxed);
+  const int64_t nregions =
+      forced > 0 ? std::min(forced, nchunks) : std::max<int64_t>(workers, 1);
+  if (workers <= 1 && nregions <= 1) {
     RunRange(call, 0, total, ThreadScratch());
     return ffi::Error::Success();
   }
@@ -799,8 +819,11 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
   const int64_t chunk = kChunk;
   job->total = total;
   job->chunk = chunk;
-  job->nchunks = (total + chunk - 1) / chunk;
-  job->Plan(workers);
+  job->nchunks = nchunks;
+  job->Plan(nregions);
+  g_split_calls.fetch_add(1, std::memory_order_relaxed);
+  g_last_workers.store(workers, std::memory_order_relaxed);
+  g_last_regions.store(nregions, std::memory_order_relaxed);
   for (int64_t w = 1; w < workers; ++w) {
     // The task owns a reference: it may run after this handler returned, in
     // which case it finds no chunk left and touches nothing.

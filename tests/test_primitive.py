@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import jax
@@ -93,23 +94,32 @@ CHUNK = 1 << 16  # elements per claim in the CPU kernel (csrc/epilogue_cpu.cc, k
 
 
 @pytest.mark.skipif(not jaxfuse.kernels()["cpu"], reason="needs the CPU kernel")
-@pytest.mark.parametrize("threads", [0, 1, 2, 3], ids=lambda t: f"threads{t}")
+@pytest.mark.parametrize("threads,regions", [(0, 0), (0, 3), (0, 7), (1, 2), (1, 5)],
+                         ids=["pool", "pool-3regions", "pool-7regions", "caller-alone-2regions",
+                              "caller-alone-5regions"])
 @pytest.mark.parametrize("streaming", [0, 1], ids=["plain", "streamed"])
-def test_work_split_covers_every_element_once(rng, threads, streaming):
-    """Chunk counts that split unevenly into per-thread regions, ragged tails,
-    rows that straddle chunks, and the tie output: every element written once,
-    bit for bit, whatever the thread cap and store path."""
+def test_work_split_gets_every_element_right(rng, threads, regions, streaming):
+    """Chunk counts that split unevenly into regions, ragged tails, rows that
+    straddle chunks and the tie output, bit for bit, whatever the split: one
+    region per pool thread, more regions than threads (the pool takes some of
+    them from the others), and a caller whose helpers are never asked (thread
+    cap 1), which must drain every region itself."""
     from jaxfuse import _kernels
     from jaxfuse._primitive import epilogue_p, epilogue_reference
 
+    if regions == 0 and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: XLA's pool has one thread and the kernel never splits a call")
     module = _kernels._modules["cpu"]
     before = module.settings()
     try:
         module.configure(threads, before["huge_pages"], streaming)
-        for n in (2 * CHUNK + 1, 5 * CHUNK - 3, 7 * CHUNK + CHUNK // 2):
+        module.force_regions_for_tests(regions)
+        calls = module.last_split()["calls"]
+        sizes = (2 * CHUNK + 1, 5 * CHUNK - 3, 7 * CHUNK + CHUNK // 2)
+        for n in sizes:
             a, b = random_operand(rng, (n,), np.float32), random_operand(rng, (n,), np.float32)
             assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), reference(a, b))
-        x = random_operand(rng, (1031, 509), np.float32)  # 8.0 chunks, rows across chunk ends
+        x = random_operand(rng, (1031, 509), np.float32)  # 9 chunks, the last short; rows across chunk ends
         bias = random_operand(rng, (509,), np.float32)
         assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(x, bias), reference(x, bias))
         h = random_operand(rng, (777, 1030), jnp.bfloat16)
@@ -124,7 +134,17 @@ def test_work_split_covers_every_element_once(rng, threads, streaming):
         assert_bitwise_equal(out, want_out)
         np.testing.assert_array_equal(tie, want_tie)
         assert np.asarray(tie).any()
+        # The calls above really were split the way this case asks.
+        split = module.last_split()
+        assert split["calls"] - calls == len(sizes) + 3
+        if threads == 1:
+            assert split["workers"] == 1 and split["regions"] == regions
+        elif regions:
+            assert split["regions"] == regions
+        else:
+            assert split["workers"] >= 2 and split["regions"] == split["workers"]
     finally:
+        module.force_regions_for_tests(0)
         module.configure(before["max_threads"], before["huge_pages"], before["streaming"])
 
 
