@@ -29,13 +29,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SASS_FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)", re.M)
 SASS_ACCESS = re.compile(r"\b((?:LDG|STG)(?:\.[A-Z0-9]+)*)\b")
 PTX_FUNC = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+(\S+?)\(", re.M)
-PTX_ACCESS = re.compile(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)*)")
+PTX_ACCESS = re.compile(r"\b((?:ld|st)\.global(?:\.[A-Za-z0-9_:]+)*)")  # .L1::no_allocate, .v4
+# Where a kernel's text ends in PTX: the next kernel or device function.
+PTX_BOUNDARY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.(?:entry|func)\b", re.M)
 NAMESPACE = re.compile(r"jaxfuse::\(anonymous namespace\)::")
 
 
 def demangle(names: list[str]) -> list[str]:
     tool = shutil.which("c++filt")
-    if not tool or not names:
+    if not names:
+        return names
+    if not tool:
+        print("vector_access: c++filt not found, names stay mangled", file=sys.stderr)
         return names
     out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout
     lines = out.splitlines()
@@ -48,12 +53,16 @@ def short(name: str) -> str:
     return re.sub(r"\(.*", "", name)  # the parameter list
 
 
-def per_kernel(text: str, func: re.Pattern, access: re.Pattern) -> list[tuple[str, dict]]:
+def per_kernel(text: str, func: re.Pattern, access: re.Pattern,
+               boundary: re.Pattern | None = None) -> list[tuple[str, dict]]:
+    """(name, {access: count}) per kernel; a kernel's text runs to the next
+    match of ``boundary`` (default: the next kernel)."""
     heads = list(func.finditer(text))
     names = demangle([m.group(1) for m in heads])
+    stops = sorted(m.start() for m in (boundary or func).finditer(text))
     rows = []
     for k, m in enumerate(heads):
-        end = heads[k + 1].start() if k + 1 < len(heads) else len(text)
+        end = next((x for x in stops if x > m.start()), len(text))
         counts = collections.Counter(access.findall(text, m.end(), end))
         rows.append((short(names[k]), dict(sorted(counts.items()))))
     return rows
@@ -77,7 +86,7 @@ def main(argv=None) -> int:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--so", help="built CUDA module: read its SASS with cuobjdump")
     g.add_argument("--ptx", action="store_true", help="compile the kernel source to PTX and read that")
-    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--arch", default="sm_90", help="architecture to compile for (PTX) or read (SASS)")
     p.add_argument("--source", default=os.path.join(REPO, "csrc", "add_relu_cuda.cu"))
     p.add_argument("--match", default="", help="only kernels whose shortened name contains this")
     args = p.parse_args(argv)
@@ -85,11 +94,13 @@ def main(argv=None) -> int:
         if not shutil.which("cuobjdump"):
             print("vector_access: cuobjdump not found (it ships with the CUDA toolkit)", file=sys.stderr)
             return 2
-        text = subprocess.run(["cuobjdump", "--dump-sass", args.so], capture_output=True,
-                              text=True, check=True).stdout
-        rows, kind = per_kernel(text, SASS_FUNC, SASS_ACCESS), "SASS"
+        # One architecture: the module carries SASS for several, unlabelled.
+        text = subprocess.run(["cuobjdump", "--dump-sass", "-arch", args.arch, args.so],
+                              capture_output=True, text=True, check=True).stdout
+        rows, kind = per_kernel(text, SASS_FUNC, SASS_ACCESS), f"SASS {args.arch} of {args.so}"
     else:
-        rows, kind = per_kernel(ptx_text(args.arch, args.source), PTX_FUNC, PTX_ACCESS), "PTX"
+        rows = per_kernel(ptx_text(args.arch, args.source), PTX_FUNC, PTX_ACCESS, PTX_BOUNDARY)
+        kind = f"PTX {args.arch}"
     rows = [r for r in rows if args.match in r[0]]
     print(f"# {kind} global accesses per kernel ({len(rows)} kernels)")
     for name, counts in rows:

@@ -37,10 +37,21 @@ def test_sass_accesses_are_counted_per_kernel():
 
 @pytest.fixture(scope="module")
 def ptx_rows():
-    if not shutil.which("nvcc"):
-        pytest.skip("nvcc not found")
+    if not shutil.which("nvcc") or not shutil.which("c++filt"):
+        pytest.skip("needs nvcc and c++filt")
     text = vector_access.ptx_text("sm_90", os.path.join(HERE, "..", "csrc", "add_relu_cuda.cu"))
-    return vector_access.per_kernel(text, vector_access.PTX_FUNC, vector_access.PTX_ACCESS)
+    return vector_access.per_kernel(text, vector_access.PTX_FUNC, vector_access.PTX_ACCESS,
+                                    vector_access.PTX_BOUNDARY)
+
+
+TYPE_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8}
+
+
+def vector_bytes(access: str) -> int:
+    """Bytes one PTX access moves: `st.global.v2.f64` -> 16, `ld.global.nc.f32` -> 4."""
+    parts = access.split(".")
+    lanes = next((int(p[1:]) for p in parts if p in ("v2", "v4", "v8")), 1)
+    return lanes * TYPE_BYTES[parts[-1][1:]]
 
 
 def _kernel(rows, name):
@@ -56,8 +67,9 @@ def test_vector_kernels_load_and_store_16_bytes(ptx_rows, op):
                            (f"AddReluVec2Kernel<{op}, 0, 0, false>", False),
                            (f"AddReluVec2Kernel<{op}, 0, 0, true>", True)):
         counts = _kernel(ptx_rows, name)
-        wide_loads = sum(v for k, v in counts.items() if k.startswith("ld.global.nc.v"))
-        wide_stores = {k: v for k, v in counts.items() if k.startswith("st.global") and ".v" in k}
-        assert wide_loads >= 2, (name, counts)  # both operands, read-only path
-        assert wide_stores, (name, counts)
-        assert all((".cs." in k) == streamed for k in wide_stores), (name, counts)
+        wide = {k: v for k, v in counts.items() if vector_bytes(k) > TYPE_BYTES[k.split(".")[-1][1:]]}
+        loads = {k: v for k, v in wide.items() if k.startswith("ld.")}
+        stores = {k: v for k, v in wide.items() if k.startswith("st.")}
+        assert all(vector_bytes(k) == 16 for k in wide), (name, counts)
+        assert sum(loads.values()) >= 2 and all(".nc." in k for k in loads), (name, counts)
+        assert stores and all((".cs." in k) == streamed for k in stores), (name, counts)
