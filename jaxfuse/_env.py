@@ -89,8 +89,9 @@ class Settings:
     calls were paced (bench/results/cpu-steady-state-2026-12-01.txt): a few
     percent faster at 2^22, slower at 2^23; the kernel's own time, streamed
     (a probe build staging 256 elements, not 2048) against plain, 1.01-1.22x
-    at 2^21-2^23: XLA hands it the same output buffer every call, which plain
-    stores still find in the cache."""
+    at 2^21-2^23: at 2^21-2^22 XLA hands it the same output buffer every call,
+    which plain stores still find in the cache; from 2^23 the outputs are
+    fresh pages every call, and why streaming loses there is not measured."""
     cuda_variant: int = 0
     """JAXFUSE_CUDA_VARIANT: which add+ReLU CUDA kernel variant runs (0-3, see
     csrc/add_relu_cuda.cu); 0, the one validated on an H200, unless a
