@@ -18,8 +18,8 @@
 //    non-temporal stores through an L1 scratch block: a normal store first
 //    reads the line it overwrites, so streaming cuts the traffic of
 //    `out = f(a, b)` from four passes to three on warm buffers. Off by
-//    default: through jax, where XLA hands out fresh output buffers, it won
-//    nothing measurable (jaxfuse/_env.py).
+//    default: through jax it won nothing consistent, and where XLA hands the
+//    kernel the same output buffer every call it loses (jaxfuse/_env.py).
 //  * Pacing: either handler accepts one operand more than it reads, and
 //    ignores it. XLA:CPU runs a program it estimates under 1000 flops inline on
 //    the dispatching thread, and counts a custom call as -1 flops, so a
@@ -688,7 +688,7 @@ struct alignas(64) Region {
 
 struct Job {
   Call call;
-  int64_t total, chunk, nchunks;
+  int64_t total, nchunks;
   int64_t nregions;
   std::unique_ptr<Region[]> regions;
   std::atomic<int64_t> tickets{0};
@@ -713,7 +713,7 @@ struct Job {
       for (;;) {
         int64_t i = reg.next.fetch_add(1, std::memory_order_relaxed);
         if (i >= reg.end) break;
-        int64_t lo = i * chunk, hi = std::min(total, lo + chunk);
+        int64_t lo = i * kChunk, hi = std::min(total, lo + kChunk);
         RunRange(call, lo, hi, ThreadScratch());
         done.fetch_add(1, std::memory_order_release);
       }
@@ -816,9 +816,7 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
   // 2-core VM, float32 at 2^22: with 8 chunks of 2^19 that wait was 0.8-1.6 ms
   // of a 2-5 ms call (a helper descheduled, or faulting in a huge page, mid-
   // chunk); with chunks of 2^16 it was 0.03-0.2 ms.
-  const int64_t chunk = kChunk;
   job->total = total;
-  job->chunk = chunk;
   job->nchunks = nchunks;
   job->Plan(nregions);
   g_split_calls.fetch_add(1, std::memory_order_relaxed);
