@@ -87,7 +87,11 @@ def eligible_sites(steps, outputs, dtype):
         if op != "relu" or y < n_in or steps[y - n_in][0] not in ("add", "add-const"):
             continue
         candidates += 1
-        ok = uses[y] == 1 and RELUS[kind][1] and jnp.issubdtype(dtype, jnp.floating)
+        # XLA folds (v + 2) + 2 into v + 4: an add of a constant onto one.
+        inner = steps[y - n_in][1] if steps[y - n_in][0] == "add-const" else None
+        folded = inner is not None and inner >= n_in and steps[inner - n_in][0] == "add-const"
+        ok = (uses[y] == 1 and RELUS[kind][1] and jnp.issubdtype(dtype, jnp.floating)
+              and not folded)
         eligible += ok
         eligible_live += ok and n_in + k in live
     return candidates, eligible, eligible_live

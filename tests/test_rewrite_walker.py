@@ -108,7 +108,20 @@ DECLINES = {
     "user custom_jvp": (lambda a, b: my_relu(a + b), "custom_jvp"),
     "jit with donation": (lambda a, b: jax.jit(_user_max, donate_argnums=0)(a + b), "donates"),
     "relu broadcasts": (lambda a, b: lax.max(a[:1] + b, jnp.zeros((4, 8))), "type"),
+    # XLA computes these as a + 4.0 and a + 0.5: one rounding, where a fused
+    # op would round a + 2.0 (a - 1.5) first.
+    "constants XLA folds": (lambda a, b: jax.nn.relu((a + 2.0) + 2.0), "folds the constants"),
+    "constants XLA folds, sub": (lambda a, b: jnp.maximum((a - 1.5) + 2.0, 0), "folds the constants"),
 }
+
+
+def test_constants_that_differ_per_element_are_not_folded_and_still_fuse(rng):
+    c1, c2 = (random_operand(rng, (8,), np.float32, specials=False) for _ in range(2))
+    f = lambda a, b: jax.nn.relu((a + c1) + c2)  # noqa: E731
+    a, b = tie_operands(rng)
+    _, _, report = rewritten(f, a, b)
+    assert len(report.fused) == 1 and not report.rejected, report
+    assert_same(jax.jit(f), fuse(f), a, b)
 
 
 @pytest.mark.parametrize("name", list(DECLINES))
