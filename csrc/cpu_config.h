@@ -4,20 +4,26 @@
 #ifndef JAXFUSE_CPU_CONFIG_H_
 #define JAXFUSE_CPU_CONFIG_H_
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace jaxfuse {
 
 struct CpuSettings {
   int64_t max_threads = 0;    // 0: every thread of XLA's intra-op pool
   bool huge_pages = true;     // madvise(MADV_HUGEPAGE) on large outputs
-  int streaming = 0;          // 0 off, 1 on, -1 auto (beyond the last-level cache)
+  int streaming = -1;         // 0 off, 1 on, -1 auto (output_reuse.h)
 };
 
 void ConfigureCpu(const CpuSettings& settings);
 CpuSettings CurrentCpuSettings();
-// Bytes a call must touch before auto mode streams its output past the cache.
+// The last-level cache auto mode measures reuse distances against.
 int64_t StreamingThresholdBytes();
+// Tests only: whether [p, p + bytes) is memory not yet faulted in, as the
+// auto rule probes it.
+bool FreshPagesForTests(uintptr_t p, size_t bytes);
 
 // Tests only: split every large call into this many regions (0: one per
 // worker, the default), whatever the pool has; and what the last split did.
@@ -28,6 +34,18 @@ struct SplitStats {
   int64_t regions;  // regions it was split into
 };
 SplitStats LastSplit();
+
+// How the last call stored its output, and why (output_reuse.h).
+struct StoreStats {
+  bool streamed;
+  bool fresh_pages;        // auto found the output not yet faulted in (so plain stores)
+  int64_t reuse_distance;  // bytes touched since its output was last written; -1 unknown
+};
+StoreStats LastStore();
+// Tests only: the reuse distances a fresh tracker reports for a sequence of
+// calls, each (output address, output bytes, bytes touched).
+std::vector<int64_t> ReuseDistancesForTests(
+    const std::vector<std::array<uint64_t, 3>>& calls);
 
 }  // namespace jaxfuse
 

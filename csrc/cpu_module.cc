@@ -4,8 +4,11 @@
 //   for name, capsule in _cpu_kernels.registrations().items():
 //       jax.ffi.register_ffi_target(name, capsule, platform="cpu")
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/array.h>
+#include <nanobind/stl/vector.h>
 
 #include "cpu_config.h"
+#include "output_reuse.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -37,7 +40,7 @@ NB_MODULE(_cpu_kernels, m) {
     d["streaming"] = s.streaming;
     d["streaming_threshold_bytes"] = jaxfuse::StreamingThresholdBytes();
     return d;
-  }, "The settings in force, and the bytes a call must touch before auto mode streams.");
+  }, "The settings in force, and the last-level cache the auto streaming rule counts against.");
   m.def("force_regions_for_tests", [](int64_t regions) {
     jaxfuse::ForceRegionsForTests(regions);
   }, nb::arg("regions"),
@@ -50,4 +53,24 @@ NB_MODULE(_cpu_kernels, m) {
     d["regions"] = st.regions;
     return d;
   }, "Calls split over regions so far, and the last one's workers and regions.");
+  m.def("last_store", []() {
+    jaxfuse::StoreStats st = jaxfuse::LastStore();
+    nb::dict d;
+    d["streamed"] = st.streamed;
+    d["fresh_pages"] = st.fresh_pages;
+    d["reuse_distance"] = st.reuse_distance;
+    return d;
+  }, "Whether the last call streamed its output, and its output's reuse distance in bytes (-1: unknown).");
+  m.def("reuse_distances_for_tests", [](const std::vector<std::array<uint64_t, 3>>& calls) {
+    return jaxfuse::ReuseDistancesForTests(calls);
+  }, nb::arg("calls"),
+  "Tests only: reuse distances a fresh tracker gives calls (address, output bytes, bytes touched).");
+  m.def("fresh_pages_for_tests", [](uintptr_t address, size_t bytes) {
+    return jaxfuse::FreshPagesForTests(address, bytes);
+  }, nb::arg("address"), nb::arg("bytes"),
+  "Tests only: whether the memory at address is not yet faulted in (the auto rule's probe).");
+  m.def("should_stream", [](int64_t reuse_distance, size_t touched, int64_t cache_bytes) {
+    return jaxfuse::ShouldStream(reuse_distance, touched, cache_bytes);
+  }, nb::arg("reuse_distance"), nb::arg("touched"), nb::arg("cache_bytes"),
+  "The auto rule: stream when the output was written more than a cache ago (or, unknown, the call touches more).");
 }

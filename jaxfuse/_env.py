@@ -81,17 +81,18 @@ class Settings:
     cpu_max_threads: int
     """JAXFUSE_CPU_MAX_THREADS: cap on the CPU kernel's threads (0: none)."""
     cpu_streaming: str
-    """JAXFUSE_CPU_STREAMING: off (default), on, or auto (when a call touches more
-    than the last-level cache). Off by default: measured through jax on the
-    2-core VM, non-temporal stores won nothing from 2^20 to 2^25 float32
-    elements (the time goes to faulting in XLA's fresh output buffers), and in
-    a loop that reads the result back they lost. Measured again once large
-    calls were paced (bench/results/cpu-steady-state-2026-12-01.txt): a few
-    percent faster at 2^22, slower at 2^23; the kernel's own time, streamed
-    (a probe build staging 256 elements, not 2048) against plain, 1.01-1.22x
-    at 2^21-2^23: at 2^21-2^22 XLA hands it the same output buffer every call,
-    which plain stores still find in the cache; from 2^23 the outputs are
-    fresh pages every call, and why streaming loses there is not measured."""
+    """JAXFUSE_CPU_STREAMING: auto (default), on or off: non-temporal stores
+    for the CPU kernel's outputs. A plain store first reads the line it
+    overwrites; streaming skips that read but sends every byte to memory, so
+    it wins only where the output is no longer cached. auto streams when the
+    output range was last written by a jaxfuse call at least 1.5 last-level
+    caches of traffic ago (or, not written by one of the last 16 calls, when
+    the call itself touches that much), and never into pages not yet faulted
+    in, which the kernel zeroes through the cache (csrc/output_reuse.h).
+    Measured on the 2-core VM (bench/results/cpu-streaming-2026-12-01.txt):
+    always streaming loses 1.06-1.47x in a loop of one call on fixed inputs
+    touching 16-40 MiB, whose output stays cached; auto keeps plain stores
+    there (0.97-1.01x) and takes the wins where outputs are evicted."""
     cuda_variant: int = 0
     """JAXFUSE_CUDA_VARIANT: which add+ReLU CUDA kernel variant runs (0-3, see
     csrc/add_relu_cuda.cu); 0, the one validated on an H200, unless a
@@ -99,7 +100,7 @@ class Settings:
 
 
 def read(environ=os.environ) -> Settings:
-    streaming = choice("JAXFUSE_CPU_STREAMING", "off", ("auto", "on", "off", "1", "0"), environ)
+    streaming = choice("JAXFUSE_CPU_STREAMING", "auto", ("auto", "on", "off", "1", "0"), environ)
     return Settings(
         disable_kernels=flag("JAXFUSE_DISABLE_KERNELS", False, environ),
         huge_pages=not flag("JAXFUSE_NO_MADVISE", False, environ),

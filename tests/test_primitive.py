@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 
 import jax
@@ -134,6 +135,7 @@ def test_work_split_gets_every_element_right(rng, threads, regions, streaming):
         assert_bitwise_equal(out, want_out)
         np.testing.assert_array_equal(tie, want_tie)
         assert np.asarray(tie).any()
+        assert module.last_store()["streamed"] == (streaming == 1)
         # The calls above really were split the way this case asks.
         split = module.last_split()
         assert split["calls"] - calls == len(sizes) + 3
@@ -146,6 +148,70 @@ def test_work_split_gets_every_element_right(rng, threads, regions, streaming):
     finally:
         module.force_regions_for_tests(0)
         module.configure(before["max_threads"], before["huge_pages"], before["streaming"])
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.skipif(not jaxfuse.kernels()["cpu"], reason="needs the CPU kernel")
+def test_reuse_distance_counts_bytes_since_the_output_was_written():
+    """The tracker behind JAXFUSE_CPU_STREAMING=auto (csrc/output_reuse.h)
+    on the patterns XLA's allocator produces: the same buffer every call, two
+    buffers in turn, a block carved from part of an old one, and ranges it no
+    longer remembers."""
+    from jaxfuse import _kernels
+
+    distances = _kernels._modules["cpu"].reuse_distances_for_tests
+    a, b, c = 1 << 32, (1 << 32) + 64 * MIB, (1 << 32) + 128 * MIB
+    # Waiting for each call: the same 8 MiB output, 24 MiB touched per call.
+    assert distances([(a, 8 * MIB, 24 * MIB)] * 3) == [-1, 24 * MIB, 24 * MIB]
+    # Two calls in flight: two buffers in turn, each written two calls ago.
+    assert distances([(a, 8 * MIB, 24 * MIB), (b, 8 * MIB, 24 * MIB)] * 2) == [
+        -1, -1, 48 * MIB, 48 * MIB]
+    # A smaller block inside an old output, after a call elsewhere: the bytes
+    # since that output, not since the call in between.
+    assert distances([(a, 8 * MIB, 24 * MIB), (c, MIB, 3 * MIB),
+                      (a + 4 * MIB, MIB, 3 * MIB)]) == [-1, -1, 6 * MIB]
+    # Overlapping ranges: the latest write to any part counts, and a range
+    # partly rewritten keeps its other part.
+    assert distances([(a, 8 * MIB, 8 * MIB), (a + 2 * MIB, 8 * MIB, 8 * MIB),
+                      (a, 4 * MIB, 4 * MIB), (a + 8 * MIB, 2 * MIB, 2 * MIB)]) == [
+        -1, 8 * MIB, 4 * MIB, 6 * MIB]
+    # Sixteen ranges are remembered; the seventeenth call back is forgotten.
+    ring = [(a + k * MIB, MIB, MIB) for k in range(17)]
+    assert distances(ring + [ring[1]])[-1] == 16 * MIB
+    assert distances(ring + [ring[0]])[-1] == -1
+    assert distances([(a, 0, 0), (a, 0, 0)]) == [-1, -1]  # empty outputs overlap nothing
+
+
+@pytest.mark.skipif(not jaxfuse.kernels()["cpu"], reason="needs the CPU kernel")
+def test_auto_streams_only_outputs_written_well_over_a_cache_ago():
+    from jaxfuse import _kernels
+
+    should_stream = _kernels._modules["cpu"].should_stream
+    cache = 32 * MIB
+    assert not should_stream(24 * MIB, 24 * MIB, cache)  # the same buffer back: still cached
+    assert not should_stream(40 * MIB, 40 * MIB, cache)  # past the cache's size, still found there
+    assert should_stream(48 * MIB, 24 * MIB, cache)      # two 24 MiB calls in flight: evicted
+    assert not should_stream(-1, 24 * MIB, cache)        # unknown, the call fits the cache
+    assert should_stream(-1, 48 * MIB, cache)            # unknown, the call alone overflows it
+    assert not should_stream(-1, 0, cache)
+
+
+@pytest.mark.skipif(not jaxfuse.kernels()["cpu"], reason="needs the CPU kernel")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the probe is mincore(2)")
+def test_auto_finds_pages_not_yet_faulted_in():
+    """auto never streams into memory fresh from the operating system: the
+    first touch zeroes each page through the cache, so plain stores find it."""
+    from jaxfuse import _kernels
+
+    fresh = _kernels._modules["cpu"].fresh_pages_for_tests
+    block = np.empty(64 * MIB, np.uint8)  # above glibc's mmap threshold: untouched pages
+    assert fresh(block.ctypes.data, block.nbytes)
+    block[:] = 1
+    assert not fresh(block.ctypes.data, block.nbytes)
+    small = np.ones(16, np.float32)
+    assert not fresh(small.ctypes.data, small.nbytes)
 
 
 def test_eager_call_matches(rng):
