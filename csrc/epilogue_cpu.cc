@@ -836,7 +836,10 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
       reinterpret_cast<uintptr_t>(call.out), out_bytes, touched);
   bool fresh = false;
   call.stream = streaming == 1;
-  if (streaming < 0 && ShouldStream(reuse, touched, StreamingThresholdBytes())) {
+  // auto leaves 2-byte types alone: their kernels convert every element, and
+  // streaming them (through the L1 block) lost at 2^23 bfloat16/float16.
+  if (streaming < 0 && call.itemsize >= 4 &&
+      ShouldStream(reuse, touched, StreamingThresholdBytes())) {
     fresh = FreshPages(call.out, out_bytes);
     call.stream = !fresh;
   }
