@@ -72,5 +72,5 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("should_stream", [](int64_t reuse_distance, size_t touched, int64_t cache_bytes) {
     return jaxfuse::ShouldStream(reuse_distance, touched, cache_bytes);
   }, nb::arg("reuse_distance"), nb::arg("touched"), nb::arg("cache_bytes"),
-  "The auto rule: stream when the output was written more than a cache ago (or, unknown, the call touches more).");
+  "The auto rule: stream when the output was last written at least 1.5 caches of traffic ago (unknown: the call touches that much).");
 }
