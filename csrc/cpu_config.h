@@ -20,7 +20,7 @@ struct CpuSettings {
 void ConfigureCpu(const CpuSettings& settings);
 CpuSettings CurrentCpuSettings();
 // The last-level cache auto mode measures reuse distances against.
-int64_t StreamingThresholdBytes();
+int64_t StreamingCacheBytes();
 // Tests only: whether [p, p + bytes) is memory not yet faulted in, as the
 // auto rule probes it.
 bool FreshPagesForTests(uintptr_t p, size_t bytes);

@@ -38,7 +38,7 @@ NB_MODULE(_cpu_kernels, m) {
     d["max_threads"] = s.max_threads;
     d["huge_pages"] = s.huge_pages;
     d["streaming"] = s.streaming;
-    d["streaming_threshold_bytes"] = jaxfuse::StreamingThresholdBytes();
+    d["streaming_cache_bytes"] = jaxfuse::StreamingCacheBytes();
     return d;
   }, "The settings in force, and the last-level cache the auto streaming rule counts against.");
   m.def("force_regions_for_tests", [](int64_t regions) {

@@ -128,7 +128,7 @@ CpuSettings CurrentCpuSettings() {
   return s;
 }
 
-int64_t StreamingThresholdBytes() { return LastLevelCacheBytes(); }
+int64_t StreamingCacheBytes() { return LastLevelCacheBytes(); }
 
 void ForceRegionsForTests(int64_t regions) {
   g_forced_regions.store(regions < 0 ? 0 : regions);
@@ -839,7 +839,7 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
   // auto leaves 2-byte types alone: their kernels convert every element, and
   // streaming them (through the L1 block) lost at 2^23 bfloat16/float16.
   if (streaming < 0 && call.itemsize >= 4 &&
-      ShouldStream(reuse, touched, StreamingThresholdBytes())) {
+      ShouldStream(reuse, touched, StreamingCacheBytes())) {
     fresh = FreshPages(call.out, out_bytes);
     call.stream = !fresh;
   }
