@@ -19,7 +19,6 @@ Run from outside the source tree (or with the package installed).
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import jax
@@ -67,30 +66,6 @@ def loop(module, base, reps, dtype):
               f"auto/off {_fmt(timing.ratio_ci(times['auto'], times['off']))}", flush=True)
 
 
-def _rounds(cases, reps):
-    """timing.measure's rounds, but in a fresh random order each round: with a
-    fixed cyclic order each case always follows the same one, which measured
-    as a 5-10% bias between two cases running the very same program."""
-    keys = [(n, tm) for n in cases for tm in timing.TIMING_MODES]
-    counters = {n: [0] for n in cases}
-    batch = {}
-    for n in cases:  # warm-up and K, as timing.measure
-        out = jax.block_until_ready(cases[n](0))
-        t1 = min(timing._batch_time(cases[n], 1, counters[n], True) for _ in range(3))
-        nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(out))
-        for tm in timing.TIMING_MODES:
-            batch[(n, tm)] = timing.batch_size(
-                t1, tm, target_batch_s=2e-3, max_batch=256, out_bytes=nbytes,
-                budget=timing.output_budget(jax.devices()[0].platform))
-    rng = random.Random(0)
-    samples = {k: [] for k in keys}
-    for _ in range(reps):
-        for k in rng.sample(keys, len(keys)):
-            samples[k].append(timing._batch_time(cases[k[0]], batch[k], counters[k[0]],
-                                                 k[1] == "latency"))
-    return samples
-
-
 def bench(module, base, reps, dtype):
     cache, _ = timing.last_level_cache(jax.devices()[0])
     for wl in ("add_relu", "bias_add_relu"):
@@ -109,10 +84,10 @@ def bench(module, base, reps, dtype):
                 return case
 
             cases = {"xla": groups["xla"].cases["xla"], **{m: with_mode(m) for m in MODES}}
-            samples = _rounds(cases, reps)
+            res = timing.measure(cases, reps=reps, shuffle_seed=0)
             line = f"bench {jnp.dtype(dtype).name:8s} {wl:13s} 2^{e}"
             for tm in timing.TIMING_MODES:
-                s = {n: samples[(n, tm)] for n in cases}
+                s = {n: res[(n, tm)][0].samples for n in cases}
                 line += (f" | {tm} on/off {_fmt(timing.ratio_ci(s['on'], s['off']))}"
                          f" auto/off {_fmt(timing.ratio_ci(s['auto'], s['off']))}"
                          f" off/xla {timing.ratio_ci(s['off'], s['xla'])[0]:.2f}"

@@ -490,6 +490,34 @@ def test_measure_both_timing_modes_paired_rounds():
         timing.measure({"a": case("a")}, ("wallclock",), reps=1)
 
 
+def test_measure_can_draw_each_rounds_order_at_random():
+    import jax.numpy as jnp
+
+    log = []
+
+    def case(name):
+        def call(i):
+            log.append(name)
+            return jnp.zeros(())
+        return call
+
+    cases = {n: case(n) for n in "abc"}
+    rotated = timing.measure(cases, ("latency",), reps=12, warmup=1, target_batch_s=0.0)
+    start = len(log)
+    del log[:start - 3 * 12]  # the rounds: one call per case each
+    rounds_rotated = [tuple(log[3 * r:3 * r + 3]) for r in range(12)]
+    log.clear()
+    shuffled = timing.measure(cases, ("latency",), reps=12, warmup=1, target_batch_s=0.0,
+                              shuffle_seed=0)
+    del log[:len(log) - 3 * 12]
+    rounds_shuffled = [tuple(log[3 * r:3 * r + 3]) for r in range(12)]
+    for res in (rotated, shuffled):
+        assert all(stats.n == 12 for stats, _ in res.values())
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds_rotated + rounds_shuffled)
+    assert len(set(rounds_rotated)) == 3  # rotations of one cyclic order: a fixed predecessor
+    assert len(set(rounds_shuffled)) > 3  # orders a rotation never produces
+
+
 def test_batch_size_rules():
     kw = dict(target_batch_s=1e-3, max_batch=256)
     assert timing.batch_size(1e-5, "latency", **kw) == 100

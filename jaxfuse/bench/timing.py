@@ -64,6 +64,7 @@ import ctypes
 import glob
 import math
 import os
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -107,8 +108,6 @@ def ratio_ci(a: Sequence[float], b: Sequence[float], *, level: float = 0.95,
     their ratio cancels drift that both saw; the interval is a percentile
     bootstrap of the median of those per-round ratios (rounds resampled).
     """
-    import random
-
     ratios = [x / y for x, y in zip(a, b) if y > 0]
     if not ratios:
         raise ValueError("ratio_ci() needs paired, positive samples")
@@ -256,12 +255,17 @@ def measure(
     target_batch_s: float = 2e-3,
     max_batch: int = 256,
     clock: Callable[[], None] | None = None,
+    shuffle_seed: int | None = None,
 ) -> dict[tuple[str, str], tuple[Stats, int]]:
     """Times every case in every timing mode, all interleaved in the same rounds.
 
     Returns ``{(case, timing_mode): (Stats of per-call seconds, batch size K)}``;
     sample ``r`` of every entry was taken in round ``r`` (pairs for ``ratio_ci``).
     ``clock`` is called once per round (used to advance a progress bar).
+    Rounds run in a rotated order, so each case mostly follows the same one;
+    with ``shuffle_seed`` each round's order is drawn at random instead (with
+    more than two cases a fixed predecessor measured as a 5-10% bias between
+    two cases running the very same program: bench/store_choice.py).
     """
     for tm in timing_modes:
         if tm not in TIMING_MODES:
@@ -286,9 +290,11 @@ def measure(
                                            max_batch=max_batch, out_bytes=out_bytes[name],
                                            budget=budget)
     samples: dict[tuple, list[float]] = {k: [] for k in keys}
+    rng = None if shuffle_seed is None else random.Random(shuffle_seed)
     for r in range(max(1, reps)):
         shift = r % len(keys)
-        for key in keys[shift:] + keys[:shift]:
+        order = keys[shift:] + keys[:shift] if rng is None else rng.sample(keys, len(keys))
+        for key in order:
             name, tm = key
             samples[key].append(_batch_time(cases[name], batch[key], counters[name],
                                             tm == "latency"))
