@@ -215,6 +215,37 @@ def test_main_in_process_selects_modes_and_timing(tmp_path, small_reference, cap
     assert e.value.code == 2
 
 
+def test_rounds_run_in_a_seeded_random_order_unless_asked_to_rotate(tmp_path, small_reference,
+                                                                     monkeypatch):
+    """Each case's rounds get an order seed of their own, the same for the same
+    --seed and case, another for another --seed; --order rotated passes none."""
+    seeds = []
+    real = timing.measure
+
+    def spy(*args, **kwargs):
+        seeds.append(kwargs.get("shuffle_seed"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(timing, "measure", spy)
+    base = ["--sizes", "4096,8192", "--dtypes", "float32", "--workloads", "add_relu", "--modes",
+            "xla", "--timing", "latency", "--reps", "1", "--warmup", "1", "--ref-reps", "1",
+            "--no-progress", "--json", str(tmp_path / "b.json")]
+    for extra in ([], [], ["--seed", "1"], ["--order", "rotated"]):
+        assert cli.main(base + extra) == 0
+    with open(tmp_path / "b.json") as f:
+        settings = json.load(f)["settings"]
+    assert settings["order"] == "rotated" and "rotated" in settings["timing"]["rounds"]
+    first, again, other, rotated = (seeds[k:k + 2] for k in range(0, 8, 2))
+    assert all(isinstance(s, int) for s in first + other)
+    assert first == again and first[0] != first[1]  # reproducible, one per case
+    assert set(first).isdisjoint(other)
+    assert rotated == [None, None]
+    assert cli.main(base) == 0
+    with open(tmp_path / "b.json") as f:
+        settings = json.load(f)["settings"]
+    assert settings["order"] == "shuffled" and "random order" in settings["timing"]["rounds"]
+
+
 def test_no_files_unless_asked(tmp_path, small_reference, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     rc = cli.main(["--sizes", "4096", "--dtypes", "float32", "--workloads", "add_relu", "--modes", "xla",

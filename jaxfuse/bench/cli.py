@@ -10,6 +10,7 @@ import platform as _platform
 import re
 import sys
 import time
+import zlib
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEFAULT_DTYPES = ("float32", "bfloat16", "float16")
@@ -109,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="start no new case after this many seconds; the rest are listed as "
                    "skipped and the run finishes normally (table, JSON, plot)")
+    p.add_argument("--order", choices=("shuffled", "rotated"), default="shuffled",
+                   help="each round's order of (mode, timing mode): drawn at random from --seed "
+                   "(default), or the last round's rotated by one (each case then mostly follows "
+                   "the same one, whose traffic it inherits in the cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write all measurements as JSON (only if given)")
     p.add_argument("--plot", metavar="PATH.png", help="write the plot (needs matplotlib; only if given)")
@@ -260,14 +265,15 @@ def run(args) -> int:
         "cache_source": cache_src,
         "settings": {
             "quick": bool(args.quick), "reps": reps, "warmup": args.warmup,
-            "target_batch_s": target, "rotate": not args.no_rotate,
+            "target_batch_s": target, "rotate": not args.no_rotate, "order": args.order,
             "dtypes": list(args.dtypes or DEFAULT_DTYPES), "model_dtypes": model_dtypes(args, is_gpu),
             "modes": args.modes, "workloads": args.workloads, "timing_modes": args.timing,
             "timing": {
                 "latency": "each call dispatched and blocked on; a sample is the mean of K such calls",
                 "throughput": "K calls dispatched back to back, one block_until_ready on all K outputs",
-                "rounds": "every (mode, timing mode) of a case sampled once per round, order rotated "
-                          "per round; ratios are paired per round",
+                "rounds": "every (mode, timing mode) of a case sampled once per round, "
+                          + ("in a random order per round (seeded)" if args.order == "shuffled"
+                             else "order rotated per round") + "; ratios are paired per round",
             },
             "op_jaxfuse_policy": "always",
         },
@@ -333,8 +339,10 @@ def run(args) -> int:
                                                rotate=not args.no_rotate)
                 if not group.cases:
                     raise models.Skip(f"none of the modes {args.modes} applies to it")
+                order_seed = (None if args.order == "rotated"
+                              else zlib.crc32(f"{args.seed}:{label}".encode()))
                 results = timing.measure(group.cases, args.timing, reps=reps, warmup=args.warmup,
-                                         target_batch_s=target)
+                                         target_batch_s=target, shuffle_seed=order_seed)
             except models.Skip as e:
                 # The reason is printed with the results too (stdout).
                 payload["skipped"].append({"workload": wl, "dtype": dt, "size": _size_json(size),

@@ -45,10 +45,14 @@ either way, so this asymmetry is particular to the op-level workloads; the
 model-level workloads measure the other case.
 
 Modes are interleaved: repetition ``r`` takes one sample of every (case, timing
-mode), in an order rotated by ``r``, so slow drift (clocks, thermals, other
-tenants) hits all alike, and sample ``r`` of two cases forms a *pair*:
-``ratio_ci`` bootstraps the median of the per-round ratios.  Median, min, max
-and the samples themselves are kept.
+mode), so slow drift (clocks, thermals, other tenants) hits all alike, and
+sample ``r`` of two cases forms a *pair*: ``ratio_ci`` bootstraps the median of
+the per-round ratios.  Median, min, max and the samples themselves are kept.
+The order within a round is drawn at random (``shuffle_seed``; jaxfuse-bench's
+default) or rotated by ``r``.  A rotation makes each case follow the same one in
+most rounds, and a case inherits its predecessor's traffic in the cache: with
+three or more cases, two of them running the very same program measured 5-10%
+apart that way (bench/store_choice.py).
 
 Cache rotation
 --------------
