@@ -6,7 +6,8 @@ rewrite the cost model chooses (`"auto"`) and every safe site fused
 (`"always"`); identical candidates are timed once. Each is compiled for the
 arguments' shapes and run on data of those shapes (random normal floats, zero
 integers: the program's values do not change an elementwise kernel's speed),
-in interleaved rounds until `rounds` are done or `budget_s` is spent, and the
+in interleaved rounds (each in a random order, seeded by the decision's key)
+until `rounds` are done or `budget_s` is spent, and the
 one with the smallest median wins -- in the manner of tokamax's
 `implementation=None` autotuning and Triton's autotune cache.
 
@@ -31,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import statistics
 import threading
 import time
@@ -228,9 +230,12 @@ def choose(closed, patterns, autotuner: Autotuner | None = None, platform: str |
         times: dict[str, list[float]] = {name: [] for name in compiled}
         start = time.perf_counter()
         names = list(compiled)
-        for r in range(max(1, tuner.rounds)):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for name in order:
+        # Each round in a random order (seeded by the key, so a decision
+        # repeats): a fixed rotation makes each candidate follow the same one,
+        # whose traffic it inherits in the cache (bench/results, round order).
+        rng = random.Random(json.dumps(key, sort_keys=True))
+        for _ in range(max(1, tuner.rounds)):
+            for name in rng.sample(names, len(names)):
                 times[name].append(tuner.timer(name, lambda fn=compiled[name]: fn(*args)))
             if time.perf_counter() - start > tuner.budget_s:
                 break

@@ -157,6 +157,29 @@ def test_prng_key_arguments_get_the_cost_models_choice(tmp_path, args):
     assert t.timer.calls == []
 
 
+def test_rounds_are_timed_in_a_random_order(tmp_path, rng):
+    """Three distinct candidates (auto fuses the float16 site, declines the one
+    behind exp; always fuses both): every round times each once, and the
+    rounds' orders are not one cyclic order rotated."""
+    def two_sites(a, b, c, d):
+        return jnp.sum(jax.nn.relu(jnp.exp(a) + b)), jax.nn.relu(c + d)
+
+    ops = (jnp.asarray(random_operand(rng, (64, 128), np.float32, specials=False)),
+           jnp.asarray(random_operand(rng, (128,), np.float32, specials=False)),
+           jnp.asarray(random_operand(rng, (512, 512), np.float16, specials=False)),
+           jnp.asarray(random_operand(rng, (512, 512), np.float16, specials=False)))
+    t = tuning.Autotuner(rounds=12, timer=FakeTimer({"xla": 2.0, "always": 1.0, "auto": 3.0}),
+                         cache=tuning.cache(str(tmp_path)))
+    jax.make_jaxpr(jaxfuse.optimize(two_sites, policy="measure", autotuner=t))(*ops)
+    calls = t.timer.calls
+    assert len(calls) == 36
+    rounds = [tuple(calls[3 * r:3 * r + 3]) for r in range(12)]
+    assert all(sorted(r) == ["always", "auto", "xla"] for r in rounds)
+    first = rounds[0]
+    rotations = {first[k:] + first[:k] for k in range(3)}
+    assert not set(rounds) <= rotations
+
+
 def test_an_unwritable_cache_warns_and_keeps_the_decision(tmp_path, args):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
