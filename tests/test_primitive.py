@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import sys
 import warnings
@@ -206,10 +207,17 @@ def test_auto_finds_pages_not_yet_faulted_in():
     from jaxfuse import _kernels
 
     fresh = _kernels._modules["cpu"].fresh_pages_for_tests
-    block = np.empty(64 * MIB, np.uint8)  # above glibc's mmap threshold: untouched pages
-    assert fresh(block.ctypes.data, block.nbytes)
-    block[:] = 1
-    assert not fresh(block.ctypes.data, block.nbytes)
+    # An anonymous mapping of its own: np.empty may be served from heap memory
+    # an earlier test already touched.
+    mapping = mmap.mmap(-1, 64 * MIB)
+    try:
+        block = np.frombuffer(mapping, np.uint8)
+        assert fresh(block.ctypes.data, block.nbytes)
+        block[:] = 1
+        assert not fresh(block.ctypes.data, block.nbytes)
+    finally:
+        del block
+        mapping.close()
     small = np.ones(16, np.float32)
     assert not fresh(small.ctypes.data, small.nbytes)
 
