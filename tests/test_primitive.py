@@ -210,8 +210,8 @@ def test_auto_finds_pages_not_yet_faulted_in():
     # An anonymous mapping of its own: np.empty may be served from heap memory
     # an earlier test already touched.
     mapping = mmap.mmap(-1, 64 * MIB)
+    block = np.frombuffer(mapping, np.uint8)
     try:
-        block = np.frombuffer(mapping, np.uint8)
         assert fresh(block.ctypes.data, block.nbytes)
         block[:] = 1
         assert not fresh(block.ctypes.data, block.nbytes)

@@ -168,7 +168,7 @@ def test_rounds_are_timed_in_a_random_order(tmp_path, rng):
            jnp.asarray(random_operand(rng, (128,), np.float32, specials=False)),
            jnp.asarray(random_operand(rng, (512, 512), np.float16, specials=False)),
            jnp.asarray(random_operand(rng, (512, 512), np.float16, specials=False)))
-    t = tuning.Autotuner(rounds=12, timer=FakeTimer({"xla": 2.0, "always": 1.0, "auto": 3.0}),
+    t = tuning.Autotuner(rounds=12, budget_s=600.0, timer=FakeTimer({"xla": 2.0, "always": 1.0, "auto": 3.0}),
                          cache=tuning.cache(str(tmp_path)))
     jax.make_jaxpr(jaxfuse.optimize(two_sites, policy="measure", autotuner=t))(*ops)
     calls = t.timer.calls
