@@ -51,8 +51,8 @@ the per-round ratios.  Median, min, max and the samples themselves are kept.
 The order within a round is drawn at random (``shuffle_seed``; jaxfuse-bench's
 default) or rotated by ``r``.  A rotation makes each case follow the same one in
 most rounds, and a case inherits its predecessor's traffic in the cache: with
-three or more cases, two of them running the very same program measured 5-10%
-apart that way (bench/store_choice.py).
+the op workloads' three modes the rotated order measured jaxfuse 3.5% better
+(bench/results/cpu-round-order-2026-12-01.txt).
 
 Cache rotation
 --------------
@@ -266,10 +266,8 @@ def measure(
     Returns ``{(case, timing_mode): (Stats of per-call seconds, batch size K)}``;
     sample ``r`` of every entry was taken in round ``r`` (pairs for ``ratio_ci``).
     ``clock`` is called once per round (used to advance a progress bar).
-    Rounds run in a rotated order, so each case mostly follows the same one;
-    with ``shuffle_seed`` each round's order is drawn at random instead (with
-    more than two cases a fixed predecessor measured as a 5-10% bias between
-    two cases running the very same program: bench/store_choice.py).
+    Rounds run in a rotated order, or with ``shuffle_seed`` each in an order
+    drawn at random (the module docstring says why that is the benchmark's).
     """
     for tm in timing_modes:
         if tm not in TIMING_MODES:
