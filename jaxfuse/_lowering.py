@@ -33,9 +33,8 @@ _warned: set[str] = set()
 # them a site lowers to XLA's own ops there.
 _CUDA_MAX_RANK = {"jaxfuse_add_relu": 16, "jaxfuse_epilogue": 24}
 
-# Bytes a CPU call reads and writes from which it is paced (`_paced`): between
-# the 16 MiB measured better inline and the 24 MiB measured better paced.
-_CPU_PACING_MIN_BYTES = 20 << 20
+# Output bytes from which a CPU call is paced (`_paced`).
+_CPU_PACING_MIN_OUTPUT_BYTES = 512 << 10
 
 
 @contextlib.contextmanager
@@ -84,28 +83,32 @@ def _fits_device(ctx, platform, target) -> bool:
     return rank <= _CUDA_MAX_RANK[target]
 
 
-def _paced(platform: str, avals) -> bool:
+def _paced(platform: str, avals_in, avals_out) -> bool:
     """Whether this call gets a pacing value (`_sharding.pacing_value`).
 
     XLA:CPU runs a program it estimates under 1000 flops inline on the thread
-    that dispatched it, and counts a custom call as -1 flops: a program holding
-    only kernel calls ran synchronously while XLA's own fusion of the same op
-    ran on its thread pool. Measured on the 2-core VM, float32 at 2^22
-    elements, calls back to back (bench/results/cpu-steady-state-2026-12-01.txt):
-    the kernel's outputs, allocated on the dispatching thread, page-faulted on
-    every call (26-51 faults) where XLA's took none, and a call took 1.7-2.0x
-    XLA's time; in a program XLA did not run inline, the same kernel took no
-    faults and 1.0-1.2x. Calls that touch less stay inline, where the hand-off
-    to the pool costs what the kernel wins: paced, float32 at 2^20 elements
-    went from 0.61-0.92x of XLA's time to 0.88-1.03x, and the bias form at 2^21
-    (16 MiB touched) from 0.74-1.00x to 0.94-1.15x, while `a + b` at 2^21
-    (24 MiB) went from up to 1.34x to 0.93-1.04x. Shapes with symbolic
+    that dispatched it, and counts a custom call as -1 flops, so a program
+    holding only kernel calls runs inline where XLA's own fusion of the same op
+    runs on its thread pool. Inline, the call's outputs are allocated and freed
+    on the dispatching thread in step with the caller's loop, and the C
+    allocator can hand them out again as memory it has just returned to the
+    operating system, so every page faults again. Measured on the 2-core VM
+    with bench/pacing_loop.py (bench/results/cpu-pacing-loop-2026-12-01.txt:
+    relu(a + b) in float32, bfloat16 and float16, two input histories, two
+    runs), 50 calls back to back, each result dropped: from 512 KiB of output
+    the inline kernel lost in 26 of 52 cases, 1.21-4.02x XLA's time with up to
+    339 faults a call; paced it took at most 6 and 0.67-1.21x (the one loss is
+    float32 at 2^18 elements, which policy="auto" leaves to XLA). Below 512
+    KiB inline faulted at most once a call and keeps what it wins on a
+    waited-for call, the hand-off to the pool that XLA's own program pays
+    (0.17-0.58x of XLA's time inline, 0.57-1.18x paced). Shapes with symbolic
     dimensions (shape-polymorphic export) are not paced: their size is unknown.
     """
+    avals = (*avals_in, *avals_out)
     if platform != "cpu" or not all(isinstance(d, int) for a in avals for d in a.shape):
         return False
-    touched = sum(math.prod(a.shape) * a.dtype.itemsize for a in avals)
-    return touched >= _CPU_PACING_MIN_BYTES
+    out_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in avals_out)
+    return out_bytes >= _CPU_PACING_MIN_OUTPUT_BYTES
 
 
 def _kernel_lowering(platform: str, target: str, reference, attrs_of):
@@ -127,7 +130,7 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
         if inplace is not None and tuple(ctx.avals_in[inplace].shape) != tuple(ctx.avals_out[0].shape):
             inplace = None
         call = local_call(target, len(ctx.avals_out), attrs, inplace=inplace,
-                          pace=_paced(platform, (*ctx.avals_in, *ctx.avals_out)))
+                          pace=_paced(platform, ctx.avals_in, ctx.avals_out))
         return mlir.lower_fun(call, multiple_results=len(ctx.avals_out) > 1)(ctx, *args)
 
     return lower

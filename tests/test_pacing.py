@@ -1,4 +1,4 @@
-"""Pacing: large CPU kernel calls are handed a small value XLA computes, so a
+"""Pacing: CPU kernel calls with large outputs are handed a small value XLA computes, so a
 program of nothing but kernel calls is not one XLA:CPU runs inline on the
 dispatching thread (flops under 1000; a custom call counts -1). The kernels
 ignore the value; the results must not change.
@@ -18,10 +18,9 @@ from conftest import assert_bitwise_equal, random_operand
 pytest.importorskip("jaxfuse._cpu_kernels", reason="jaxfuse built without its CPU extension")
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU lowering")
 
-THRESHOLD = _lowering._CPU_PACING_MIN_BYTES  # bytes read and written
-# Rows of 1024 float32 for the smallest paced call of each form.
-PLAIN_ROWS = -(-THRESHOLD // (3 * 1024 * 4))  # a + b: two operands and the output
-BIAS_ROWS = -(-THRESHOLD // (2 * 1024 * 4))   # x + bias: one full operand and the output
+THRESHOLD = _lowering._CPU_PACING_MIN_OUTPUT_BYTES  # bytes written
+# Rows of 1024 float32 for the smallest paced call (both forms: the output decides).
+ROWS = -(-THRESHOLD // (1024 * 4))
 
 
 def _operands_of_calls(hlo: str) -> list[int]:
@@ -46,21 +45,20 @@ def _relu_add(a, b):
     return jax.nn.relu(a + b)
 
 
-def _touched(*shapes_and_dtype):
+def _output_bytes(*shapes_and_dtype):
     *shapes, dtype = shapes_and_dtype
-    out = np.broadcast_shapes(*shapes)
-    return sum(int(np.prod(x)) for x in (*shapes, out)) * np.dtype(dtype).itemsize
+    return int(np.prod(np.broadcast_shapes(*shapes))) * np.dtype(dtype).itemsize
 
 
 @pytest.mark.parametrize("shape, b_shape, dtype", [
-    ((PLAIN_ROWS, 1024), (PLAIN_ROWS, 1024), np.float32),
-    ((BIAS_ROWS, 1024), (1024,), np.float32),
-    ((BIAS_ROWS * 1024 + 3,), (), np.float32),
-    ((2 * BIAS_ROWS, 1024), (1024,), jnp.bfloat16),      # 2 bytes: twice the elements
-    ((2560, 1), (1, 2560), np.float32),                  # every operand small, the output not
+    ((ROWS, 1024), (ROWS, 1024), np.float32),
+    ((ROWS, 1024), (1024,), np.float32),
+    ((ROWS * 1024 + 3,), (), np.float32),
+    ((2 * ROWS, 1024), (1024,), jnp.bfloat16),      # 2 bytes: twice the elements
+    ((512, 1), (1, 512), np.float32),                    # every operand small, the output not
 ])
 def test_a_large_call_is_paced_and_its_values_do_not_change(rng, shape, b_shape, dtype):
-    assert _touched(shape, b_shape, dtype) >= THRESHOLD
+    assert _output_bytes(shape, b_shape, dtype) >= THRESHOLD
     a = random_operand(rng, shape, dtype)
     b = random_operand(rng, b_shape, dtype)
     opt = jax.jit(jaxfuse.optimize(_relu_add, policy="always"))
@@ -71,10 +69,10 @@ def test_a_large_call_is_paced_and_its_values_do_not_change(rng, shape, b_shape,
     assert_bitwise_equal(opt(a, b), jax.jit(_relu_add)(a, b))
 
 
-@pytest.mark.parametrize("shape, b_shape", [((BIAS_ROWS - 8, 1024), (1024,)),
-                                            ((PLAIN_ROWS - 8, 1024), (PLAIN_ROWS - 8, 1024))])
+@pytest.mark.parametrize("shape, b_shape", [((ROWS - 8, 1024), (1024,)),
+                                            ((ROWS - 8, 1024), (ROWS - 8, 1024))])
 def test_a_smaller_call_stays_inline(rng, shape, b_shape):
-    assert _touched(shape, b_shape, np.float32) < THRESHOLD
+    assert _output_bytes(shape, b_shape, np.float32) < THRESHOLD
     a = random_operand(rng, shape, np.float32)
     b = random_operand(rng, b_shape, np.float32)
     opt = jax.jit(jaxfuse.optimize(_relu_add, policy="always"))
@@ -85,7 +83,7 @@ def test_a_smaller_call_stays_inline(rng, shape, b_shape):
 
 
 def test_the_epilogue_is_paced_with_every_operand_kept(rng):
-    n = 2 * PLAIN_ROWS  # x, r and the output full size
+    n = 2 * ROWS  # x, r and the output full size: 512 columns
     x = random_operand(rng, (n, 512), np.float32)
     s, t = (random_operand(rng, (512,), np.float32) for _ in range(2))
     r = random_operand(rng, (n, 512), np.float32)
@@ -106,13 +104,13 @@ def test_a_shape_polymorphic_export_is_not_paced_and_runs(rng):
         jax.export.DisabledSafetyCheck.custom_call("jaxfuse_add_relu"),
         jax.export.DisabledSafetyCheck.custom_call("jaxfuse_epilogue")])(*shapes)
     assert _operands_of_calls(exp.mlir_module()) == [2]
-    a = random_operand(rng, (BIAS_ROWS, 1024), np.float32)
+    a = random_operand(rng, (ROWS, 1024), np.float32)
     b = random_operand(rng, (1024,), np.float32)
     assert_bitwise_equal(exp.call(a, b), jax.jit(_relu_add)(a, b))
 
 
 def test_a_paced_loop_carry_is_still_updated_in_place(rng):
-    x = random_operand(rng, (BIAS_ROWS, 1024), np.float32)
+    x = random_operand(rng, (ROWS, 1024), np.float32)
     b = random_operand(rng, (1024,), np.float32)
     f = lambda x, b: jax.lax.fori_loop(0, 3, lambda i, y: jax.nn.relu(y + b), x)  # noqa: E731
     opt = jax.jit(jaxfuse.optimize(f, policy="always"))
@@ -126,7 +124,7 @@ def test_a_paced_loop_carry_is_still_updated_in_place(rng):
 
 
 def test_the_gradient_of_a_paced_site_matches_jit(rng):
-    a = random_operand(rng, (BIAS_ROWS, 1024), np.float32, specials=False)
+    a = random_operand(rng, (ROWS, 1024), np.float32, specials=False)
     a[:7] = 0.0  # exact ties: relu's derivative there is 0
     b = np.zeros((1024,), np.float32)
     loss = lambda a, b: jnp.sum(jax.nn.relu(a + b) * 1.5)  # noqa: E731

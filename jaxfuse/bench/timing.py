@@ -36,7 +36,7 @@ returns when the kernel is done -- while XLA's own fused loop of the same op
 (``n`` flops) is dispatched asynchronously onto the CPU client's thread pool.
 In latency mode both pay the full call; in throughput mode XLA's calls overlap
 their dispatch with execution (and independent calls may run concurrently on
-the pool) while jaxfuse's do not.  Calls that read and write 20 MiB or more
+the pool) while jaxfuse's do not.  Calls with 512 KiB of output or more
 (static shapes, unpartitioned) are paced (``jaxfuse._lowering._paced``) and
 dispatched asynchronously like XLA's.
 A real program holding the custom call (anything with a matmul or a
