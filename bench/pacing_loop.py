@@ -63,9 +63,14 @@ def run_case(dtype: str, log2: int, inputs: str, rounds: int) -> dict:
         for mode, threshold in (("inline", float("inf")), ("paced", 0)):
             _lowering._CPU_PACING_MIN_OUTPUT_BYTES = threshold
             fns[mode] = make()
-            hlo = fns[mode].lower(a, b).as_text()
-            if "custom_call" not in hlo:
+            lowered = fns[mode].lower(a, b)
+            if "custom_call" not in lowered.as_text():
                 raise SystemExit(f"{mode}: no kernel call in the program (kernels built?)")
+            # What decides inline or not: XLA:CPU's flop estimate against 1000.
+            cost = lowered.compile().cost_analysis()
+            flops = (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+            if (flops >= 1000) != (mode == "paced"):
+                raise SystemExit(f"{mode}: the program's flop estimate is {flops}")
             jax.block_until_ready(fns[mode](a, b))
     finally:
         _lowering._CPU_PACING_MIN_OUTPUT_BYTES = saved

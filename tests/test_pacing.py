@@ -156,3 +156,22 @@ def test_the_handlers_ignore_one_pacing_value_and_refuse_more():
     # The epilogue counts its operands from its flags: one extra, no more.
     with pytest.raises(Exception, match="expected 2 operands"):
         jax.block_until_ready(epilogue(a, a, a, a, **attrs))
+
+
+def test_the_pacing_loop_script_times_an_inline_and_a_paced_program():
+    # bench/pacing_loop.py refuses to time a case unless its "inline" program is
+    # one XLA:CPU runs inline (flop estimate under 1000) and its "paced" one is not.
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "pacing_loop.py")
+    spec = importlib.util.spec_from_file_location("pacing_loop", path)
+    pacing_loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pacing_loop)
+    record = pacing_loop.run_case("float32", 12, "normal", rounds=2)
+    assert _lowering._CPU_PACING_MIN_OUTPUT_BYTES == THRESHOLD  # restored
+    for mode in ("inline", "paced"):
+        for pattern in ("loop", "latency"):
+            med, lo, hi = record[f"{mode}_{pattern}"]
+            assert 0 < lo <= med <= hi
+        assert record[f"{mode}_faults_per_call"] >= 0
