@@ -54,7 +54,7 @@ def run_case(dtype: str, log2: int, inputs: str, rounds: int) -> dict:
     else:
         a, b = (jax.random.normal(jax.random.key(i), (n,), dt) for i in (0, 1))
 
-    def make():
+    def make():  # a new function each time: nothing compiled for one threshold serves the other
         return jaxfuse.optimize(lambda x, y: jax.nn.relu(x + y), policy="always")
 
     fns = {"xla": jax.jit(lambda x, y: jax.nn.relu(x + y))}

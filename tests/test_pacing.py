@@ -1,7 +1,7 @@
-"""Pacing: CPU kernel calls with large outputs are handed a small value XLA computes, so a
-program of nothing but kernel calls is not one XLA:CPU runs inline on the
-dispatching thread (flops under 1000; a custom call counts -1). The kernels
-ignore the value; the results must not change.
+"""Pacing: CPU kernel calls with large outputs are handed a small value XLA
+computes, so a program of nothing but kernel calls is not one XLA:CPU runs
+inline on the dispatching thread (flops under 1000; a custom call counts -1).
+The kernels ignore the value; the results must not change.
 """
 import re
 
@@ -54,8 +54,8 @@ def _output_bytes(*shapes_and_dtype):
     ((ROWS, 1024), (ROWS, 1024), np.float32),
     ((ROWS, 1024), (1024,), np.float32),
     ((ROWS * 1024 + 3,), (), np.float32),
-    ((2 * ROWS, 1024), (1024,), jnp.bfloat16),      # 2 bytes: twice the elements
-    ((512, 1), (1, 512), np.float32),                    # every operand small, the output not
+    ((2 * ROWS, 1024), (1024,), jnp.bfloat16),  # 2 bytes: twice the elements
+    ((512, 1), (1, 512), np.float32),           # every operand small, the output not
 ])
 def test_a_large_call_is_paced_and_its_values_do_not_change(rng, shape, b_shape, dtype):
     assert _output_bytes(shape, b_shape, dtype) >= THRESHOLD
