@@ -35,6 +35,17 @@ def pytest_collection_modifyitems(config, items):
 SPECIALS = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0], dtype=np.float64)
 
 
+def load_bench_script(name: str):
+    """A script of bench/ (not a package) as a module, to test what it computes."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def random_operand(rng: np.random.Generator, shape, dtype, specials=True) -> np.ndarray:
     """Normal data with NaN, +-Inf, +-0.0 and exact ties sprinkled in."""
     x = rng.standard_normal(shape).astype(np.float64) * 4

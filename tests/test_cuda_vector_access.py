@@ -4,16 +4,15 @@ kernels), no GPU needed. The device script reads the SASS the same way."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 
 import pytest
 
+from conftest import load_bench_script
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-spec = importlib.util.spec_from_file_location("vector_access", os.path.join(HERE, "..", "bench", "vector_access.py"))
-vector_access = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(vector_access)
+vector_access = load_bench_script("vector_access")
 
 SASS_SAMPLE = """
         Function : _ZN7jaxfuse12_GLOBAL__N_116AddReluVecKernelEv

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 import jaxfuse
 from jaxfuse import _lowering
-from conftest import assert_bitwise_equal, random_operand
+from conftest import assert_bitwise_equal, load_bench_script, random_operand
 
 pytest.importorskip("jaxfuse._cpu_kernels", reason="jaxfuse built without its CPU extension")
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU lowering")
@@ -161,14 +161,7 @@ def test_the_handlers_ignore_one_pacing_value_and_refuse_more():
 def test_the_pacing_loop_script_times_an_inline_and_a_paced_program():
     # bench/pacing_loop.py refuses to time a case unless its "inline" program is
     # one XLA:CPU runs inline (flop estimate under 1000) and its "paced" one is not.
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "pacing_loop.py")
-    spec = importlib.util.spec_from_file_location("pacing_loop", path)
-    pacing_loop = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pacing_loop)
-    record = pacing_loop.run_case("float32", 12, "normal", rounds=2)
+    record = load_bench_script("pacing_loop").run_case("float32", 12, "normal", rounds=2)
     assert _lowering._CPU_PACING_MIN_OUTPUT_BYTES == THRESHOLD  # restored
     for mode in ("inline", "paced"):
         for pattern in ("loop", "latency"):
