@@ -117,7 +117,7 @@ def test_work_split_gets_every_element_right(rng, threads, regions, streaming):
         module.configure(threads, before["huge_pages"], streaming)
         module.force_regions_for_tests(regions)
         calls = module.last_split()["calls"]
-        sizes = (2 * CHUNK + 1, 5 * CHUNK - 3, 7 * CHUNK + CHUNK // 2)
+        sizes = (4 * CHUNK + 1, 5 * CHUNK - 3, 7 * CHUNK + CHUNK // 2)
         for n in sizes:
             a, b = random_operand(rng, (n,), np.float32), random_operand(rng, (n,), np.float32)
             assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), reference(a, b))
@@ -149,6 +149,31 @@ def test_work_split_gets_every_element_right(rng, threads, regions, streaming):
     finally:
         module.force_regions_for_tests(0)
         module.configure(before["max_threads"], before["huge_pages"], before["streaming"])
+
+
+@pytest.mark.skipif(not jaxfuse.kernels()["cpu"], reason="needs the CPU kernel")
+@pytest.mark.parametrize("dtype,per_worker", [(np.float32, 2 * CHUNK), (np.float64, 2 * CHUNK),
+                                              (jnp.bfloat16, CHUNK), (jnp.float16, CHUNK)],
+                         ids=["float32", "float64", "bfloat16", "float16"])
+def test_a_helper_is_asked_only_for_enough_elements(rng, dtype, per_worker):
+    """A call is offered to a second thread only when each thread gets
+    ``per_worker`` elements: two chunks for the memory-bound 4- and 8-byte
+    loops, one for the 2-byte ones (csrc/epilogue_cpu.cc, kMinChunkWide /
+    kMinChunkNarrow); either way the values are XLA's."""
+    from jaxfuse import _kernels
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: XLA's pool has one thread and the kernel never splits a call")
+    module = _kernels._modules["cpu"]
+    fn = jax.jit(jaxfuse.add_relu)
+    for n, split in ((2 * per_worker - 1, False), (2 * per_worker, True)):
+        a, b = random_operand(rng, (n,), dtype), random_operand(rng, (n,), dtype)
+        calls = module.last_split()["calls"]
+        assert_bitwise_equal(fn(a, b), reference(a, b))
+        after = module.last_split()
+        assert after["calls"] - calls == int(split), (n, after)
+        if split:
+            assert after["workers"] == 2
 
 
 MIB = 1 << 20
