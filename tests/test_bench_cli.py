@@ -553,13 +553,53 @@ def test_batch_size_rules():
     kw = dict(target_batch_s=1e-3, max_batch=256)
     assert timing.batch_size(1e-5, "latency", **kw) == 100
     assert timing.batch_size(1e-2, "latency", **kw) == 1
+    assert timing.batch_size(1e-5, "throughput", **kw) == 100
     assert timing.batch_size(1e-3, "throughput", **kw) == timing.MIN_THROUGHPUT_BATCH
     assert timing.batch_size(0.1, "throughput", **kw) == 2  # long calls: two back to back
-    # never more live outputs than the budget allows, but always two calls back to back
-    assert timing.batch_size(1e-6, "throughput", out_bytes=1 << 20, budget=8 << 20, **kw) == 8
-    assert timing.batch_size(1e-6, "throughput", out_bytes=1 << 40, budget=8 << 20, **kw) == 2
-    assert timing.batch_size(1e-6, "latency", out_bytes=1 << 40, budget=8 << 20, **kw) == 256
-    assert timing.output_budget("cpu") == 4 << 20 and timing.output_budget("gpu") >= 1 << 30
+    assert timing.batch_size(0.0, "throughput", **kw) == 256
+
+
+def test_throughput_batch_drops_results_and_waits_on_the_last(monkeypatch):
+    """A throughput sample keeps one result alive at a time (the one the next
+    call replaces) and ends with one wait, on the last call's output."""
+    import weakref
+
+    class Out:
+        pass
+
+    issued, alive = [], []
+
+    def call(i):
+        alive.append(sum(r() is not None for r in issued))  # results alive as call i is issued
+        out = Out()
+        issued.append(weakref.ref(out))
+        return out
+
+    waited = []
+    monkeypatch.setattr(timing.jax, "block_until_ready", lambda x: waited.append(x) or x)
+    timing._batch_time(call, 6, [0], block_each=False)
+    assert alive == [0, 1, 1, 1, 1, 1]
+    assert len(waited) == 1 and waited[0] is issued[-1]()
+
+
+def test_a_device_finishes_its_calls_in_the_order_issued():
+    """What waiting on the last output of a throughput batch relies on: when a
+    later call's result is ready, an earlier, longer call's is too, both for a
+    program XLA:CPU dispatches to its pool and for one it runs inline."""
+    import jax
+    import jax.numpy as jnp
+
+    big = jnp.ones((1 << 22,), jnp.float32)
+    small = jnp.ones((16,), jnp.float32)
+    slow = jax.jit(lambda x: jnp.sort(jnp.sin(x) * 3.0 + x))
+    quick_async = jax.jit(lambda x: x * 2.0 + 1.0)  # 2^22 elements: XLA's pool
+    quick_inline = jax.jit(lambda x: x + 1.0)  # 16 elements: run on the caller
+    jax.block_until_ready((slow(big), quick_async(big), quick_inline(small)))
+    for quick, arg in ((quick_async, big), (quick_inline, small)):
+        for _ in range(3):
+            first = slow(big)
+            jax.block_until_ready(quick(arg))
+            assert first.is_ready()
 
 
 def test_ratio_ci_pairs_rounds():

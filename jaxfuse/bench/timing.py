@@ -10,23 +10,25 @@ tiny calls are not lost in timer resolution).
   (``jax.block_until_ready`` after every call) before the next is issued.  This
   is the time one call takes end to end, dispatch and synchronisation included,
   as an interactive or request-at-a-time caller sees it.
-* ``throughput``: the ``K`` calls are dispatched back to back and one
-  ``jax.block_until_ready`` on all ``K`` outputs ends the batch, as a training
-  or inference loop issues work.  JAX dispatch is asynchronous, so device work
-  overlaps with the host-side dispatch of the next call; for small arrays the
-  per-call time floors at the dispatch + launch cost, which stays visible (the
+* ``throughput``: the ``K`` calls are dispatched back to back, each result
+  dropped when the next call is issued, and one ``jax.block_until_ready`` on
+  the last output ends the batch -- issue 15's loop, ``for _ in range(K): r =
+  f(a, b)``, as a training or inference loop rebinds its state.  One device
+  runs its executions in the order they were issued (XLA:CPU chains each one
+  to the last; a GPU runs them on one stream; ``tests/test_bench_cli.py``
+  checks it on the CPU), so the last output is ready only when every call of
+  the batch is done.  JAX dispatch is asynchronous, so device work overlaps
+  with the host-side dispatch of the next call; for small arrays the per-call
+  time floors at the dispatch + launch cost, which stays visible (the
   ``unfused`` pair pays it twice).  ``K`` is at least ``MIN_THROUGHPUT_BATCH``
-  (2 for calls over ``LONG_CALL_S``), so there is something to overlap, and at
-  most what keeps the ``K`` live outputs within ``output_budget(platform)``
-  (but never below 2).  On CPU that budget is small on purpose: holding many
-  outputs at once and freeing them together makes glibc trim the heap, so the
-  next batch page-faults fresh memory -- measured on the 2-core VM, 2^18-element
-  float32 add+relu, K calls back to back: 8 live 1 MiB outputs ran without a
-  fault, 16 took ~170 faults per call and 2-3x the time, for XLA and jaxfuse
-  alike (2^16 elements: 16 live 256 KiB outputs already faulted every page for
-  XLA).  That is the allocator, not the program; a loop that consumes its
-  outputs does not see it.  The budget (4 MiB) keeps clear of it, and each
-  record's ``batch`` says which K was used.
+  (2 for calls over ``LONG_CALL_S``), so there is something to overlap.
+  Dropping the results also keeps what is measured clear of the allocator:
+  before, a batch held its ``K`` outputs until it ended, and holding many
+  large outputs at once and freeing them together made glibc trim the heap, so
+  the next batch page-faulted fresh memory (2^18-element float32 add+relu on
+  the 2-core VM: 8 live 1 MiB outputs ran without a fault, 16 took ~170 faults
+  per call and 2-3x the time, for XLA and jaxfuse alike); that forced ``K``
+  down to 2 for outputs of 2 MiB and more on CPU.
 
 Why both, always: they rank implementations differently, on CPU too.  Measured
 on XLA:CPU (jax 0.10): a program whose estimated flops are under 1000 is run
@@ -35,8 +37,7 @@ program made of nothing but a small jaxfuse call runs synchronously -- dispatch
 returns when the kernel is done -- while XLA's own fused loop of the same op
 (``n`` flops) is dispatched asynchronously onto the CPU client's thread pool.
 In latency mode both pay the full call; in throughput mode XLA's calls overlap
-their dispatch with execution (and independent calls may run concurrently on
-the pool) while jaxfuse's do not.  Calls with 512 KiB of output or more
+their dispatch with execution while jaxfuse's do not.  Calls with 512 KiB of output or more
 (static shapes, unpartitioned) are paced (``jaxfuse._lowering._paced``) and
 dispatched asynchronously like XLA's.
 A real program holding the custom call (anything with a matmul or a
@@ -208,15 +209,6 @@ TIMING_MODES = ("latency", "throughput")
 MIN_THROUGHPUT_BATCH = 4
 # Calls longer than this need less company to show overlap: 2 back to back.
 LONG_CALL_S = 10e-3
-# Live outputs a throughput batch may hold at once (K x one call's output).
-OUTPUT_BUDGET_BYTES = {"cpu": 4 << 20}
-OUTPUT_BUDGET_DEFAULT = 1 << 30  # GPU: a caching allocator, no page faults
-
-
-def output_budget(platform: str) -> int:
-    return OUTPUT_BUDGET_BYTES.get(platform, OUTPUT_BUDGET_DEFAULT)
-
-
 def _batch_time(call: Case, k: int, counter: list[int], block_each: bool) -> float:
     if block_each:
         t0 = time.perf_counter()
@@ -224,29 +216,22 @@ def _batch_time(call: Case, k: int, counter: list[int], block_each: bool) -> flo
             jax.block_until_ready(call(counter[0]))
             counter[0] += 1
         return (time.perf_counter() - t0) / k
-    outs = []
+    out = None
     t0 = time.perf_counter()
     for _ in range(k):
-        outs.append(call(counter[0]))
+        out = call(counter[0])  # drops the previous result, as a loop rebinding it does
         counter[0] += 1
-    jax.block_until_ready(outs)
+    jax.block_until_ready(out)  # calls run in issue order: the last done means all are
     return (time.perf_counter() - t0) / k
 
 
-def _nbytes(tree) -> int:
-    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree)))
-
-
 def batch_size(t1: float, timing_mode: str, *, target_batch_s: float, max_batch: int,
-               out_bytes: int = 0, min_throughput: int = MIN_THROUGHPUT_BATCH,
-               budget: int = OUTPUT_BUDGET_DEFAULT) -> int:
+               min_throughput: int = MIN_THROUGHPUT_BATCH) -> int:
     """Calls per sample for a case whose single blocked call takes ``t1`` seconds."""
     k = max_batch if t1 <= 0 else math.ceil(target_batch_s / t1)
     k = max(1, min(max_batch, k))
     if timing_mode == "throughput":
         k = max(k, min_throughput if t1 < LONG_CALL_S else min(2, min_throughput))
-        if out_bytes > 0:
-            k = min(k, max(2, budget // out_bytes))
     return k
 
 
@@ -273,13 +258,11 @@ def measure(
         if tm not in TIMING_MODES:
             raise ValueError(f"unknown timing mode {tm!r}; choose from {TIMING_MODES}")
     names = list(cases)
-    budget = output_budget(jax.devices()[0].platform)
     keys = [(n, tm) for n in names for tm in timing_modes]
     counters = {n: [0] for n in names}  # input sets cycle per case, across timing modes
-    out_bytes = {}
     # Warm-up: compiles, first-touch allocations, clock ramp-up.
     for name in names:
-        out_bytes[name] = _nbytes(jax.block_until_ready(cases[name](counters[name][0])))
+        jax.block_until_ready(cases[name](counters[name][0]))
         counters[name][0] += 1
         for _ in range(max(0, warmup - 1)):
             _batch_time(cases[name], 1, counters[name], True)
@@ -289,8 +272,7 @@ def measure(
         t1 = min(_batch_time(cases[name], 1, counters[name], True) for _ in range(3))
         for tm in timing_modes:
             batch[(name, tm)] = batch_size(t1, tm, target_batch_s=target_batch_s,
-                                           max_batch=max_batch, out_bytes=out_bytes[name],
-                                           budget=budget)
+                                           max_batch=max_batch)
     samples: dict[tuple, list[float]] = {k: [] for k in keys}
     rng = None if shuffle_seed is None else random.Random(shuffle_seed)
     for r in range(max(1, reps)):
