@@ -168,3 +168,12 @@ def test_the_pacing_loop_script_times_an_inline_and_a_paced_program():
             med, lo, hi = record[f"{mode}_{pattern}"]
             assert 0 < lo <= med <= hi
         assert record[f"{mode}_faults_per_call"] >= 0
+
+
+def test_the_loop_faults_script_times_both_programs_and_counts_faults():
+    records = load_bench_script("loop_faults").run_process([12, 13], rounds=1)
+    assert [r["log2"] for r in records] == [12, 13]
+    for r in records:
+        assert r["xla_us"] > 0 and r["jaxfuse_us"] > 0
+        assert r["xla_faults_per_call"] >= 0 and r["jaxfuse_faults_per_call"] >= 0
+        assert 0.0 <= r["kernel_fresh_output"] <= 1.0
