@@ -37,9 +37,9 @@ program made of nothing but a small jaxfuse call runs synchronously -- dispatch
 returns when the kernel is done -- while XLA's own fused loop of the same op
 (``n`` flops) is dispatched asynchronously onto the CPU client's thread pool.
 In latency mode both pay the full call; in throughput mode XLA's calls overlap
-their dispatch with execution while jaxfuse's do not.  Calls with 512 KiB of output or more
-(static shapes, unpartitioned) are paced (``jaxfuse._lowering._paced``) and
-dispatched asynchronously like XLA's.
+their dispatch with execution while jaxfuse's do not.  Calls with 512 KiB of
+output or more (static shapes, unpartitioned) are paced
+(``jaxfuse._lowering._paced``) and dispatched asynchronously like XLA's.
 A real program holding the custom call (anything with a matmul or a
 convolution beside it) is over the threshold and dispatched asynchronously
 either way, so this asymmetry is particular to the op-level workloads; the
@@ -209,6 +209,8 @@ TIMING_MODES = ("latency", "throughput")
 MIN_THROUGHPUT_BATCH = 4
 # Calls longer than this need less company to show overlap: 2 back to back.
 LONG_CALL_S = 10e-3
+
+
 def _batch_time(call: Case, k: int, counter: list[int], block_each: bool) -> float:
     if block_each:
         t0 = time.perf_counter()
