@@ -99,9 +99,22 @@ def replicated_like(sharding):
 
 def jit_key_flag(name: str, default: bool, help: str):
     """A boolean config option that is part of jit's cache key, usable as
-    `with flag(True):` and via `jax.config.update(name, value)`."""
-    return _bool_state(name, default, help, include_in_jit_key=True,
-                       include_in_trace_context=True)
+    `with flag(True):` and via `jax.config.update(name, value)`.
+
+    Its process default is `default`, which the caller parses from the
+    environment (`_env`). jax's `bool_state` would read the variable
+    `name.upper()` again with its own parser, which raises on values `_env`
+    warns about and accepts some (`y`, `t`) that `_env` rejects, so that
+    variable is hidden from jax while the option is defined.
+    """
+    env_name = name.upper()
+    hidden = os.environ.pop(env_name, None)
+    try:
+        return _bool_state(name, default, help, include_in_jit_key=True,
+                           include_in_trace_context=True)
+    finally:
+        if hidden is not None:
+            os.environ[env_name] = hidden
 
 
 def new_eqn(invars, outvars, primitive, params, *, like: JaxprEqn, effects=None):

@@ -1,9 +1,12 @@
 """jaxfuse's environment switches, parsed once and validated.
 
-Booleans accept 1/0, true/false, yes/no, on/off (any case); anything else, and
-a number that is not a non-negative integer, keeps the default and warns with
-the variable's name and value. The native kernels never read the environment:
-`_kernels.py` hands them what is parsed here.
+Booleans accept 1/0, true/false, yes/no, on/off (any case); numbers are ASCII
+digits 0-9 within the switch's bound (the native side receives them as fixed-
+width integers). Anything else keeps the default and warns with the variable's
+name and value. An empty value is the same as an unset one. This module is the
+only parser of these variables: the native kernels never read the environment
+(`_kernels.py` hands them what is parsed here), and jax is kept from reading
+JAXFUSE_DISABLE_KERNELS itself (`_compat.jit_key_flag`).
 """
 
 from __future__ import annotations
@@ -34,16 +37,15 @@ def flag(name: str, default: bool, environ=os.environ) -> bool:
     return default
 
 
-def count(name: str, default: int, environ=os.environ) -> int:
-    """A non-negative integer (0 meaning "no limit" where the switch says so)."""
-    raw = environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    v = raw.strip()
-    if v.isdigit():
-        return int(v)
-    _warn(name, raw, "a non-negative integer", default)
-    return default
+_DIGITS = frozenset("0123456789")
+
+MAX_THREADS = 1 << 16  # a thread count beyond any machine's; the kernel takes an int64
+
+
+def _integer(v: str) -> int | None:
+    # ASCII digits only: str.isdigit also accepts '²', which int() rejects,
+    # and int() reads other scripts' digits ('３', '١') as numbers.
+    return int(v) if v and set(v) <= _DIGITS else None
 
 
 def bounded(name: str, default: int, limit: int, environ=os.environ) -> int:
@@ -51,11 +53,16 @@ def bounded(name: str, default: int, limit: int, environ=os.environ) -> int:
     raw = environ.get(name)
     if raw is None or raw.strip() == "":
         return default
-    v = raw.strip()
-    if v.isdigit() and int(v) < limit:
-        return int(v)
+    v = _integer(raw.strip())
+    if v is not None and v < limit:
+        return v
     _warn(name, raw, f"an integer from 0 to {limit - 1}", default)
     return default
+
+
+def count(name: str, default: int, maximum: int, environ=os.environ) -> int:
+    """An integer in [0, maximum] (0 meaning "no limit" where the switch says so)."""
+    return bounded(name, default, maximum + 1, environ)
 
 
 CUDA_VARIANTS = 4  # kernel variants csrc/add_relu_cuda.cu knows
@@ -79,7 +86,8 @@ class Settings:
     huge_pages: bool
     """JAXFUSE_NO_MADVISE (inverted): huge-page advice on large CPU outputs."""
     cpu_max_threads: int
-    """JAXFUSE_CPU_MAX_THREADS: cap on the CPU kernel's threads (0: none)."""
+    """JAXFUSE_CPU_MAX_THREADS: cap on the CPU kernel's threads (0: none; at
+    most MAX_THREADS)."""
     cpu_streaming: str
     """JAXFUSE_CPU_STREAMING: auto (default), on or off: non-temporal stores
     for the CPU kernel's outputs. A plain store first reads the line it
@@ -106,7 +114,7 @@ def read(environ=os.environ) -> Settings:
     return Settings(
         disable_kernels=flag("JAXFUSE_DISABLE_KERNELS", False, environ),
         huge_pages=not flag("JAXFUSE_NO_MADVISE", False, environ),
-        cpu_max_threads=count("JAXFUSE_CPU_MAX_THREADS", 0, environ),
+        cpu_max_threads=count("JAXFUSE_CPU_MAX_THREADS", 0, MAX_THREADS, environ),
         cpu_streaming={"1": "on", "0": "off"}.get(streaming, streaming),
         cuda_variant=bounded("JAXFUSE_CUDA_VARIANT", 0, CUDA_VARIANTS, environ),
     )

@@ -23,7 +23,13 @@ and keeps the decision for the process.
 
 A program with effects (callbacks, prints) is not timed -- running it again
 would repeat them -- and gets the cost model's choice; so does one that closes
-over an enclosing trace's values or takes PRNG keys (no stand-in data for them).
+over an enclosing trace's values, takes PRNG keys or has symbolic
+(shape-polymorphic) dimensions (no stand-in data for them), and one with a
+`while` loop anywhere in it (its trip count depends on the data: on stand-in
+data it may never end). Each such fallback is recorded with its reason in
+`Autotuner.skipped`. Every run of a candidate is bounded in time besides
+(`Autotuner`): one that overruns ends the timing, and the program gets the
+cost model's choice, with a warning, and no decision is stored.
 """
 
 from __future__ import annotations
@@ -59,8 +65,15 @@ class TuningCache:
     """The on-disk decisions: one JSON file per key, written atomically."""
 
     def __init__(self, path: str | None = None):
-        self.path = path or _default_dir()
+        self._path = path or None
         self._unwritten: dict[str, str] = {}  # decisions the directory refused, by file
+
+    @property
+    def path(self) -> str:
+        """The directory: the one given, else the default location as the
+        environment says now (`JAXFUSE_CACHE_DIR` may change after import, and
+        the default tuner and `cache()` must agree on it)."""
+        return self._path or _default_dir()
 
     def _file(self, key: dict) -> str:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
@@ -132,12 +145,26 @@ def _wall_time(name: str, run: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
+_MIN_RUN_LIMIT_S = 1.0
+
+
 @dataclasses.dataclass
 class Autotuner:
     """How `policy="measure"` times its candidates.
 
     `timer(variant_name, run) -> seconds` times one call (`run()` executes the
     variant once); the default waits for the result and reads the wall clock.
+
+    Rounds are timed until `rounds` are done or `budget_s` is spent (checked
+    after each round, so at least one round runs). Every single run, the
+    warm-ups and each `timer` call, must end within `run_limit_s` (default:
+    `budget_s`, at least 1 s): dispatch is asynchronous and jax cannot cancel a
+    computation, so each is waited for with that deadline, in a helper thread.
+    A run that overruns ends the tuning: the program gets the cost model's
+    ("auto") choice, a RuntimeWarning says why, the reason goes to `skipped`,
+    nothing is written to the cache, and the same decision is not timed again
+    by this tuner in this process. So tuning one program takes at most about
+    (candidates + 1) * run limit + `budget_s`, plus compilation.
     """
 
     rounds: int = 7
@@ -146,6 +173,18 @@ class Autotuner:
     cache: TuningCache = dataclasses.field(default_factory=TuningCache)
     log: list = dataclasses.field(default_factory=list)
     """(key, choice, medians) of every decision this tuner measured."""
+    run_limit_s: float | None = None
+    """The most one run may take (None: `budget_s`, at least 1 s)."""
+    skipped: list = dataclasses.field(default_factory=list)
+    """Why this tuner did not time a program, one string per program it
+    declined (each got the cost model's choice)."""
+    _overran: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    """Decisions (by key) whose timing overran, with the reason."""
+
+    def run_limit(self) -> float:
+        if self.run_limit_s is not None:
+            return self.run_limit_s
+        return max(self.budget_s, _MIN_RUN_LIMIT_S)
 
 
 DEFAULT = Autotuner()
@@ -174,15 +213,29 @@ def _key(closed, variants: dict, patterns) -> dict:
             "candidates": {name: _fingerprint(v) for name, v in variants.items()}}
 
 
-def _untimeable(closed) -> bool:
-    """Programs `choose` cannot run on stand-in data: effects (running them
-    again would repeat them), constants that are an enclosing trace's values,
-    inputs or constants of dtypes numpy cannot make (PRNG keys)."""
-    return bool(closed.jaxpr.effects
-                or any(isinstance(c, C.Tracer) for c in closed.consts)
-                or any(C.is_extended_dtype(a.dtype) for a in closed.in_avals)
-                or any(C.is_extended_dtype(getattr(c, "dtype", np.float32))
-                       for c in closed.consts))
+def _untimeable(closed) -> str | None:
+    """Why `choose` must not run `closed` on stand-in data, or None if it may:
+    effects (running them again would repeat them), constants that are an
+    enclosing trace's values, inputs or constants of dtypes numpy cannot make
+    (PRNG keys), symbolic dimensions (no concrete shape to make data of), a
+    `while` loop in any body (its trip count depends on the data; on data the
+    user did not give it may never end)."""
+    from .rewrite import subjaxprs
+
+    if closed.jaxpr.effects:
+        return "it has effects (running it again would repeat them)"
+    if any(isinstance(c, C.Tracer) for c in closed.consts):
+        return "it closes over an enclosing trace's values (no stand-in data for them)"
+    if (any(C.is_extended_dtype(a.dtype) for a in closed.in_avals)
+            or any(C.is_extended_dtype(getattr(c, "dtype", np.float32)) for c in closed.consts)):
+        return "it takes PRNG keys or other extended dtypes (no stand-in data for them)"
+    if any(not isinstance(d, (int, np.integer))
+           for a in closed.in_avals for d in getattr(a, "shape", ())):
+        return "it has symbolic dimensions (no stand-in data for them)"
+    if any(eqn.primitive.name == "while" for eqn in subjaxprs.all_eqns(closed)):
+        return ("it has a while loop, whose trip count depends on the data "
+                "(on stand-in data it may never end)")
+    return None
 
 
 def _inputs(closed, seed: int = 0):
@@ -202,6 +255,43 @@ def _compiled(variant, args):
     return fn.lower(*args).compile()
 
 
+def _wait_ready(out) -> None:
+    leaves = [x for x in jax.tree_util.tree_leaves(out) if hasattr(x, "is_ready")]
+    pause = 1e-5
+    while not all(x.is_ready() for x in leaves):
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
+    jax.block_until_ready(out)  # ready now; raises what the run raised
+
+
+class _Overrun(Exception):
+    """A tuning run (named by the argument) did not end within the run limit."""
+
+
+def _within(limit_s: float, what: str, fn: Callable[[], object]):
+    """`fn()`, run in a helper thread and waited for at most `limit_s` seconds.
+
+    An overrun raises `_Overrun` and leaves the thread behind, waiting on a
+    computation jax cannot cancel (a daemon thread, so it never holds up exit).
+    """
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="jaxfuse-tuning-run", daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    if thread.is_alive():
+        raise _Overrun(what)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def choose(closed, patterns, autotuner: Autotuner | None = None, platform: str | None = None):
     """The fastest of the candidate programs for `closed` (a ClosedJaxpr);
     `platform`: the one the "auto" candidate's cost model decides for."""
@@ -209,38 +299,72 @@ def choose(closed, patterns, autotuner: Autotuner | None = None, platform: str |
     from .rewrite.walker import rewrite
 
     tuner = autotuner or DEFAULT
-    candidates = {"xla": closed,
-                  "auto": rewrite(closed, patterns, cost=cost.CostModel(platform))[0],
-                  "always": rewrite(closed, patterns)[0]}
+    auto = rewrite(closed, patterns, cost=cost.CostModel(platform))[0]
+    why = _untimeable(closed)
+    if why is not None:
+        tuner.skipped.append(why)
+        return auto
+    candidates = {"xla": closed, "auto": auto, "always": rewrite(closed, patterns)[0]}
     distinct: dict[str, object] = {}
     for name, variant in candidates.items():
         if not any(variant is v or str(variant) == str(v) for v in distinct.values()):
             distinct[name] = variant
-    if len(distinct) == 1 or _untimeable(closed):
-        return candidates["auto"]
+    if len(distinct) == 1:
+        return auto
     key = _key(closed, distinct, patterns)
+    key_text = json.dumps(key, sort_keys=True)
+    if key_text in tuner._overran:  # overran before: never run it again
+        tuner.skipped.append(tuner._overran[key_text])
+        return auto
     choice = tuner.cache.get(key)
     if choice is not None:
         return candidates[choice]
-    with jax.ensure_compile_time_eval():
-        args = _inputs(closed)
-        compiled = {name: _compiled(v, args) for name, v in distinct.items()}
-        for name, fn in compiled.items():  # warm-up: allocation, first touch
-            jax.block_until_ready(fn(*args))
-        times: dict[str, list[float]] = {name: [] for name in compiled}
-        start = time.perf_counter()
-        names = list(compiled)
-        # Each round in a random order (seeded by the key, so a decision
-        # repeats): a fixed rotation makes each candidate follow the same one,
-        # whose traffic it inherits in the cache (bench/results, round order).
-        rng = random.Random(json.dumps(key, sort_keys=True))
-        for _ in range(max(1, tuner.rounds)):
-            for name in rng.sample(names, len(names)):
-                times[name].append(tuner.timer(name, lambda fn=compiled[name]: fn(*args)))
-            if time.perf_counter() - start > tuner.budget_s:
-                break
+    limit = tuner.run_limit()
+    try:
+        times = _time(tuner, distinct, closed, key_text, limit)
+    except _Overrun as e:
+        reason = (f"{e.args[0]} did not end within the run limit of {limit:g} s on "
+                  f"stand-in data (Autotuner.run_limit_s; default budget_s, at least 1 s)")
+        tuner._overran[key_text] = reason
+        tuner.skipped.append(reason)
+        # The running stack's user frame may lie beyond the traceback jax
+        # records (jit's own frames fill it): then the program's first line.
+        where = (C.current_user_frame()
+                 or C.first_user_frame(e.source_info for e in closed.jaxpr.eqns))
+        C.warn_at_user_line(f"jaxfuse: policy='measure' did not time this program: {reason}; "
+                            f"it gets the cost model's choice, which is not cached", where=where)
+        return auto
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     choice = min(medians, key=medians.get)
     tuner.cache.put(key, choice, medians)
     tuner.log.append((key, choice, medians))
     return candidates[choice]
+
+
+def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float) -> dict:
+    """{candidate: [seconds per round]}; raises `_Overrun` when a run does not
+    end within `limit` seconds."""
+    with jax.ensure_compile_time_eval():
+        args = _inputs(closed)
+        compiled = {name: _compiled(v, args) for name, v in distinct.items()}
+    # Warm-up (allocation, first touch), waited for by polling: a program that
+    # never ends on this data shows here, and a thread left blocked inside
+    # jax's own wait would abort the process at exit.
+    for name, fn in compiled.items():
+        _within(limit, f"the {name!r} candidate's warm-up run",
+                lambda fn=fn: _wait_ready(fn(*args)))
+    times: dict[str, list[float]] = {name: [] for name in compiled}
+    start = time.perf_counter()
+    names = list(compiled)
+    # Each round in a random order (seeded by the key, so a decision
+    # repeats): a fixed rotation makes each candidate follow the same one,
+    # whose traffic it inherits in the cache (bench/results, round order).
+    rng = random.Random(key_text)
+    for _ in range(max(1, tuner.rounds)):
+        for name in rng.sample(names, len(names)):
+            run = lambda fn=compiled[name]: fn(*args)  # noqa: E731
+            times[name].append(_within(limit, f"a timed run of the {name!r} candidate",
+                                       lambda name=name, run=run: tuner.timer(name, run)))
+        if time.perf_counter() - start > tuner.budget_s:
+            break
+    return times
