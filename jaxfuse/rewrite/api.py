@@ -53,6 +53,12 @@ def _check_policy(policy: str) -> str:
     return policy
 
 
+def _check_callable(fun) -> None:
+    # As jax.jit does: a bad argument is reported where it is given, not at the first call.
+    if not callable(fun):
+        raise TypeError(f"jaxfuse: expected a callable value, got {fun!r}")
+
+
 def optimize(fun: Callable | None = None, *, policy: str = "auto", patterns=None,
              autotuner=None, **jit_kwargs):
     """Rewrites `fun`'s fusion sites and jit-compiles the result.
@@ -74,6 +80,7 @@ def optimize(fun: Callable | None = None, *, policy: str = "auto", patterns=None
     if fun is None:
         return functools.partial(optimize, policy=policy, patterns=patterns,
                                  autotuner=autotuner, **jit_kwargs)
+    _check_callable(fun)
     _check_policy(policy)
     pats = resolve(patterns)
     info = _info(fun)
@@ -111,14 +118,40 @@ class _Traced:
         except (TypeError, ValueError):
             pass
 
+    def __repr__(self):
+        # jit's messages and repr name the function they wrap: the user's one.
+        fun = self._fun()
+        return repr(fun) if fun is not None else object.__repr__(self)
+
+    @property
+    def __wrapped__(self):
+        # jit's debug info (function name, file:line) follows this to the user's function.
+        fun = self._fun()
+        if fun is None:
+            raise AttributeError("__wrapped__")
+        return fun
+
     def __call__(self, *args, **kwargs):
         fun = self._fun()
         if jax.config.jax_disable_jit:
             return fun(*args, **kwargs)  # jit runs eagerly: so does the user's code
-        # Called by jit with tracers for the dynamic arguments and concrete
-        # values for the static ones; only the tracers become jaxpr inputs.
-        flat_fun, dynamic = _split_dynamic(fun, args, kwargs, C.is_tracer_leaf)
-        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
+        # Called by jit with tracers for every leaf of a dynamic argument and
+        # the concrete (hashable) value of a static one. The user's function
+        # itself is traced, with the same arguments marked static, so jax's
+        # errors name it, its file:line and its arguments as jit's do. Static
+        # keyword arguments are bound (make_jaxpr has no static_argnames); the
+        # partial is new each time, so jax's trace cache, keyed by function,
+        # never answers for the trace jit asked for.
+        nums = tuple(i for i, a in enumerate(args) if not _all_tracers(a))
+        static_kw = {k: v for k, v in kwargs.items() if not _all_tracers(v)}
+        dyn_kw = {k: v for k, v in kwargs.items() if k not in static_kw}
+        trace = jax.make_jaxpr(functools.partial(fun, **static_kw), static_argnums=nums,
+                               return_shape=True)
+        closed, out_shape = trace(*args, **dyn_kw)
+        # The jaxpr's inputs: the leaves of (dynamic positional, dynamic keyword)
+        # arguments, flattened as jit flattens them (keywords sorted by name).
+        dynamic = jax.tree_util.tree_leaves(
+            (tuple(a for i, a in enumerate(args) if i not in nums), dyn_kw))
         new = self.rewritten(closed)
         out = C.eval_closed(new, *dynamic)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
@@ -129,6 +162,10 @@ class _Traced:
             from .. import tuning
             return tuning.choose(closed, self.patterns, self.autotuner, platform=platform)
         return rewrite(closed, self.patterns, cost=_cost_model(self.policy, platform))[0]
+
+
+def _all_tracers(arg) -> bool:
+    return all(C.is_tracer_leaf(x) for x in jax.tree_util.tree_leaves(arg))
 
 
 def _cost_model(policy: str, platform: str | None = None):
@@ -175,10 +212,14 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
     Arguments may be arrays, Python scalars or `jax.ShapeDtypeStruct`s; other
     leaves (strings, ...) and the static arguments of an optimized function are
     treated as static. Given an optimized function, explains the function it
-    wraps with its patterns and policy. `policy` overrides it ("auto" for a
-    plain function); `platform` is the one the cost decisions are made for
-    (default: the arguments' devices, else the default backend, as jit does).
+    wraps with its patterns and policy; given a `jax.jit`-wrapped function, the
+    function it wraps, with that jit's static arguments. `policy` overrides it
+    ("auto" for a plain function); `platform` ("cpu", "cuda", "rocm", "tpu", or
+    "gpu" for the GPU platform jax lowers for) is the one the cost decisions
+    are made for (default: the arguments' devices, else the default backend,
+    as jit does).
     """
+    _check_callable(fun)
     info = _info(fun)
     if info is None:
         pats, static, default_policy = resolve(None), None, "auto"
@@ -187,13 +228,40 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
     policy = _check_policy(policy or default_policy)
     if policy == "measure":
         policy = "auto"  # explain reports what the cost model says; tuning may still override
-    platform = platform or _platform_of(args, kwargs)
-    args, kwargs = _mark_static(fun, args, kwargs, static)
-    flat_fun, dynamic = _split_dynamic(fun, args, kwargs, _is_dynamic_leaf)
-    closed = jax.make_jaxpr(flat_fun)(*dynamic)
+    platform = _check_platform(platform) if platform is not None else _platform_of(args, kwargs)
+    if info is None and _is_jitted(fun):
+        # jit resolves its own static arguments; its body is the function's jaxpr.
+        closed = fun.trace(*args, **kwargs).jaxpr
+    else:
+        args, kwargs = _mark_static(fun, args, kwargs, static)
+        flat_fun, dynamic = _split_dynamic(fun, args, kwargs, _is_dynamic_leaf)
+        closed = jax.make_jaxpr(flat_fun)(*dynamic)
     _, report = rewrite(closed, pats, C.definition_site(fun), cost=_cost_model(policy, platform))
     report.platform = platform
     return report
+
+
+def _is_jitted(fun) -> bool:
+    """A `jax.jit`-wrapped function (its AOT API: `.trace` and `.lower`)."""
+    return callable(getattr(fun, "trace", None)) and callable(getattr(fun, "lower", None))
+
+
+PLATFORM_NAMES = ("cpu", "cuda", "rocm", "tpu", "gpu")
+
+
+def _check_platform(platform) -> str:
+    """A platform name as lowering rules name it; "gpu" is the GPU platform
+    jax lowers for (rocm when its GPU backend is ROCm, else cuda)."""
+    if platform not in PLATFORM_NAMES:
+        raise ValueError(f"jaxfuse: platform must be one of {', '.join(map(repr, PLATFORM_NAMES))}, "
+                         f"got {platform!r}")
+    if platform != "gpu":
+        return platform
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend here
+        return "cuda"
+    return _lowering_name(devices[0]) if devices else "cuda"
 
 
 def _platform_of(args, kwargs) -> str:

@@ -15,6 +15,10 @@ What the model knows (measured; bench/results/README.md has the runs):
     transpose becomes a copy of its own.
   * A custom call costs a few microseconds on CPU; below a size measured per
     platform and dtype the kernel cannot win that back.
+  * A size with symbolic dimensions (shape-polymorphic `jax.export`) is not
+    known when the program is rewritten or lowered, so nothing says the call
+    pays: such a site is declined. Only comparisons that hold for every value
+    of the dimensions are used (`_at_least`), never an `int` of a symbolic size.
 
 Decisions are made twice. When the jaxpr is rewritten: what holds on every
 platform (producers and consumers XLA would fuse), and what depends on the
@@ -36,6 +40,9 @@ import math
 from typing import Mapping
 
 import numpy as np
+
+from jax import errors as _errors
+from jax import export as _export
 
 from .. import _compat as C
 from .graph import Graph
@@ -77,7 +84,9 @@ class SiteFacts:
     """What the platform decision needs to know about a fused site."""
 
     pattern: str
-    elements: int
+    elements: int | str
+    """Output elements; for a symbolic size (shape-polymorphic export), its
+    expression as text, since it has no value to compare (`symbolic`)."""
     dtype: str
     producers: tuple
     """Per operand: "input", "dot", "conv", "conv-nchw", "fused", "materialized" (a
@@ -87,6 +96,10 @@ class SiteFacts:
 
     def __str__(self):
         return f"{self.pattern}[{self.elements} x {self.dtype}]"
+
+    @property
+    def symbolic(self) -> bool:
+        return not isinstance(self.elements, int)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,12 +148,29 @@ PLATFORMS = {
 }
 
 
-def _mib(nbytes: float) -> str:
+def _mib(nbytes) -> str:
+    if _symbolic(nbytes):
+        return f"{nbytes} bytes"
     return f"{nbytes / 2**20:.3g} MiB"
 
 
-def _size(atom) -> int:
-    return int(math.prod(getattr(atom.aval, "shape", ())))
+def _size(atom):
+    """Elements of `atom`: an int, or a symbolic expression (shape-polymorphic export)."""
+    size = math.prod(getattr(atom.aval, "shape", ()))
+    return size if _symbolic(size) else int(size)
+
+
+def _symbolic(size) -> bool:
+    return _export.is_symbolic_dim(size)
+
+
+def _at_least(a, b) -> bool:
+    """Whether `a >= b` for every value of their symbolic dimensions (False
+    where jax cannot decide it: unproven is not true)."""
+    try:
+        return bool(a >= b)
+    except _errors.InconclusiveDimensionOperation:
+        return False
 
 
 # --------------------------------------------------------------- boundaries
@@ -184,7 +214,9 @@ class CostModel:
     # ---- the platform-independent decision (walker.match_all)
     def evaluate(self, m, graph, context):
         out = m.root.outvars[0]
-        n_out = max(_size(out), 1)
+        n_out = _size(out)
+        if not _symbolic(n_out):
+            n_out = max(n_out, 1)
         itemsize = np.dtype(out.aval.dtype).itemsize
         producers = []
         inside = {id(e) for e in m.eqns}
@@ -193,7 +225,8 @@ class CostModel:
             if cls == "fusible" and C.is_var(a) and materializing_readers(a, graph, context, inside):
                 cls = "materialized"  # another reader keeps it in memory in XLA's program too
             if cls == "fusible":
-                if _size(a) * _SMALL > n_out:
+                # "small" only where provably so: a symbolic operand may be as large as the output
+                if not _at_least(n_out, _size(a) * _SMALL):
                     return (f"operand {k + 1} comes from a `{prim}` that XLA fuses into the "
                             f"same loop; as a custom-call operand it is written out and read "
                             f"back (+{_mib(2 * _size(a) * itemsize)})"), None
@@ -207,7 +240,8 @@ class CostModel:
                     f"a custom call writes it out and reads it back "
                     f"(+{_mib(2 * n_out * itemsize)})"), None
         facts = SiteFacts(m.info.get("family").name if "family" in m.info else "site",
-                          n_out, np.dtype(out.aval.dtype).name, tuple(producers),
+                          str(n_out) if _symbolic(n_out) else n_out,
+                          np.dtype(out.aval.dtype).name, tuple(producers),
                           tuple(sorted(readers)))
         # Known platform: decline here, so the site keeps XLA's own program
         # exactly (a site declined only at lowering gets XLA's ops, but in the
@@ -338,6 +372,11 @@ def platform_reason(facts: SiteFacts | None, platform: str) -> str | None:
     if facts.dtype in p.min_elements and p.min_elements[facts.dtype] is None:
         return (f"on {platform} the kernel has not beaten XLA's own fusion at any size "
                 f"measured ({p.source})")
+    if facts.symbolic:
+        # Even a size provably above the threshold: above every measured
+        # threshold a call is paced (_lowering._paced); one of symbolic size is not.
+        return (f"{facts.elements} elements: symbolic, the cost model cannot tell whether "
+                f"a custom call pays on {platform}")
     smallest = p.min_elements.get(facts.dtype)
     if smallest is not None and facts.elements < smallest:
         return (f"{facts.elements} elements: below {smallest}, the cost of a custom call on "
