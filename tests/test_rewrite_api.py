@@ -46,7 +46,9 @@ def test_decorator_forms(ab):
         return model(a, b)
 
     ref = jax.jit(model)(*ab)
-    for f, n in ((f1, 3), (f2, 3), (f3, 0)):
+    # f2 has add_relu only: `h * a + b` is a product XLA contracts into the add, so
+    # add_relu declines it (jaxfuse/rewrite/contraction.py).
+    for f, n in ((f1, 3), (f2, 2), (f3, 0)):
         assert_values(f(*ab), ref)
         assert fused_count(jax.make_jaxpr(f)(*ab)) == n
     assert f1.__name__ == "f1"

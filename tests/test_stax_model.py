@@ -1,6 +1,7 @@
 """A real model built with jax.example_libraries.stax (Conv, BatchNorm, Relu,
-FanOut/FanInSum residual blocks, Dense): every eligible site fuses, and the
-forward value and gradients match the unoptimized model."""
+FanOut/FanInSum residual blocks, Dense): the sites on the batch's statistics
+are declined with the reason, the rest fuse, and the forward value and
+gradients match the unoptimized model."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from jax.example_libraries.stax import (AvgPool, BatchNorm, Conv, Dense, FanInSu
                                         Flatten, Identity, Relu)
 
 import jaxfuse
-from conftest import random_operand
+from conftest import assert_bitwise_equal, random_operand
 from rewrite_support import assert_trees, assert_values, fused_count, explain_all, fuse
 
 pytestmark = pytest.mark.filterwarnings("ignore:jaxfuse. no kernel:RuntimeWarning")
@@ -52,23 +53,22 @@ def setup_model(seed=0):
     return apply, loss, params, x
 
 
-def test_every_eligible_site_fuses():
+def test_batch_statistics_sites_are_declined_and_the_rest_fuse():
     apply, _, params, x = setup_model()
     report = explain_all(apply, params, x)
-    assert not report.rejected, str(report)
-    assert len(report.fused) == RELU_LAYERS
-    assert fused_count(jax.make_jaxpr(fuse(apply))(params, x)) == RELU_LAYERS
-    assert {s.spelling for s in report.fused} == {"jax.nn.relu"}
-    # BatchNorm -> ReLU is one scale-shift call (gamma and beta read in place as
-    # (1, 1, 1, C)); each residual sum -> ReLU one call; Dense's bias an add.
-    by_pattern = {}
-    for s in report.fused:
-        by_pattern.setdefault(s.pattern, []).append(s.shapes)
-    # stax's BatchNorm is gamma * ((x - mean) * rsqrt(var + eps)) + beta
-    assert by_pattern["norm_relu"] == [((2, 8, 8, 4),) + ((1, 1, 1, 4),) * 4] * 3
-    assert by_pattern["norm_residual_relu"] == [((2, 8, 8, 4),) + ((1, 1, 1, 4),) * 4
-                                                + ((2, 8, 8, 4),)] * 2
-    assert by_pattern["add_relu"] == [((2, 16), (1, 16))]
+    assert len(report) == RELU_LAYERS
+    assert {s.spelling for s in report} == {"jax.nn.relu"}
+    # stax's BatchNorm is gamma * ((x - mean) * rsqrt(var + eps)) + beta with
+    # the batch's mean, `sum / n`: XLA computes it as a product inside the
+    # loop that subtracts it, and whether it contracts the two depends on how
+    # it unrolls that loop, so no kernel can promise XLA's bits there.
+    declined = report.rejected
+    assert sorted(s.pattern for s in declined) == ["norm_relu"] * 3 + ["norm_residual_relu"] * 2
+    assert all("operand 2 (`mean`) is a product (`div`)" in s.reason for s in declined), str(report)
+    # Dense's bias -> ReLU is one add_relu (the bias read in place as (1, 16)).
+    assert [(s.pattern, s.shapes) for s in report.fused] == [("add_relu", ((2, 16), (1, 16)))]
+    assert fused_count(jax.make_jaxpr(fuse(apply))(params, x)) == 1
+    assert_bitwise_equal(fuse(apply)(params, x), jax.jit(apply)(params, x))
 
 
 def test_forward_and_gradients_match_unoptimized():
@@ -124,22 +124,17 @@ def resnet50(classes=10):
     return stax.serial(*layers)
 
 
-def test_resnet50_every_bn_and_residual_relu_is_one_kernel_call():
+def test_resnet50_batch_statistics_sites_are_declined_with_the_reason():
     init, apply = resnet50()
     _, params = init(jax.random.PRNGKey(0), (2, 32, 32, 3))
     x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
     report = explain_all(apply, params, x)
-    assert not report.rejected, str(report)
-    # 1 stem + 16 blocks x (2 BN->ReLU + 1 residual sum->ReLU)
-    assert len(report.fused) == 49
-    patterns = [s.pattern for s in report.fused]
-    # stax's BatchNorm is gamma * ((x - mean) * rsqrt(var)) + beta: all of it in the kernel;
-    # the residual (0 + main) + shortcut with the main path's last BatchNorm inside it.
+    # 1 stem + 16 blocks x (2 BN->ReLU + 1 residual sum->ReLU), each on the
+    # batch's mean (the same in eval-mode BatchNorm fuses: test_models.py).
+    assert len(report) == 49 and not report.fused
+    patterns = [s.pattern for s in report]
     assert patterns.count("norm_relu") == 33 and patterns.count("norm_residual_relu") == 16
-    # stax's Conv has a bias, added before the BatchNorm: that add is the one
-    # full-size elementwise op left outside each kernel, and XLA would fuse it
-    # into the BatchNorm's loop, so policy="auto" leaves these sites to XLA
-    # (on a platform without size rules, so the structure alone decides).
+    assert all("is a product (`div`)" in s.reason for s in report), str(report)
+    # The cost model is never asked: the site is not exact, whatever it costs.
     auto = jaxfuse.explain(apply, params, x, platform="tpu")
-    assert len(auto.declined_for_cost) == 49
-    assert all(s.reason.startswith("operand 1 comes from a `add`") for s in auto), str(auto)
+    assert not auto.fused and not auto.declined_for_cost

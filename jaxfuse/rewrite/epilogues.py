@@ -34,6 +34,7 @@ import numpy as np
 from jaxfuse._primitive import add_relu_p, check_broadcast, epilogue_labels, epilogue_p
 
 from .. import _compat as C
+from . import contraction
 from . import masks as M
 from .dsl import add, matches, mul, operand, sub, zero_plus
 from .graph import Graph
@@ -57,6 +58,18 @@ class Family:
     def labels(self):
         return epilogue_labels(mean=self.mean, prescale=self.prescale, scale=self.scale,
                                residual=self.residual)
+
+    @property
+    def factors(self) -> tuple:
+        """The operands of the site's own product `((x - mean) * prescale) * scale`."""
+        return tuple(k for k in self.labels if k in ("x", "mean", "prescale", "scale")) \
+            if self.scale else ()
+
+    @property
+    def addends(self) -> tuple:
+        """The operands the site adds or subtracts (a product there could be contracted)."""
+        summed = ("shift", "residual", *(("x", "mean") if self.mean or not self.scale else ()))
+        return tuple(k for k in self.labels if k in summed)
 
 
 FAMILY = (
@@ -176,7 +189,8 @@ def check(mt: Match, graph: Graph) -> str | None:
         return f"the ReLU changes its operand's type from {y.str_short()} to {out.str_short()}"
     if getattr(out, "weak_type", False) != getattr(y, "weak_type", False):
         return "the ReLU changes its operand's weak type"
-    return None
+    return contraction.site_reason(family.labels, operands, family.addends, family.factors, y, graph,
+                                   frozenset(id(e) for e in mt.eqns))
 
 
 def build(mt: Match, graph: Graph):

@@ -34,8 +34,12 @@ class Graph:
     """
 
     def __init__(self, jaxpr: C.Jaxpr, consts=None, outer: Mapping | None = None,
-                 inlined: Mapping | None = None):
+                 inlined: Mapping | None = None, feeds: tuple | None = None):
         self.jaxpr = jaxpr
+        self.feeds = feeds
+        """Per invar, the product the enclosing program computes for it where
+        XLA inlines this jaxpr into it (`contraction.feeds`); None: nothing
+        known, the inputs are arguments or arrive through a loop or branch."""
         self._inlined = dict(inlined or {})
         self._consts = dict(zip(jaxpr.constvars, consts)) if consts is not None else {}
         self._outer = dict(outer or {})

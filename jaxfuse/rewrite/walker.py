@@ -17,7 +17,7 @@ import dataclasses
 from typing import Sequence
 
 from .. import _compat as C
-from . import subjaxprs
+from . import contraction, subjaxprs
 from .graph import Graph
 from .patterns import Match, Pattern
 from .report import Report, Site, Skipped
@@ -56,34 +56,36 @@ class _Walk:
             else:
                 for name in p.roots:
                     self.by_root.setdefault(name, []).append(p)
-        # (id(body), frozen, context key) -> (body, result, sites, skipped);
+        # (id(body), frozen, context key, carries, feeds) -> (body, result, sites, skipped);
         # holding `body` keeps its id unique.
         self.memo: dict = {}
 
     # -------------------------------------------------------------- structure
-    def body(self, body, frozen, context, carries=()):
+    def body(self, body, frozen, context, carries=(), feeds=None):
         """Rewrites a Jaxpr or ClosedJaxpr; returns (result, sites, skipped)
         with paths and sources relative to the body. `carries`: positions of
-        the body's inputs that are loop carries (buffers it may overwrite)."""
-        key = (id(body), frozen, context.key if context is not None else None, carries)
+        the body's inputs that are loop carries (buffers it may overwrite);
+        `feeds`: what the caller computes for each input (`Graph.feeds`)."""
+        key = (id(body), frozen, context.key if context is not None else None, carries, feeds)
         hit = self.memo.get(key)
         if hit is not None:
             return hit[1:]
         if isinstance(body, C.ClosedJaxpr):
-            jaxpr, sites, skipped = self.jaxpr(body.jaxpr, body.consts, frozen, context, carries)
+            jaxpr, sites, skipped = self.jaxpr(body.jaxpr, body.consts, frozen, context, carries,
+                                               feeds)
             result = body if jaxpr is body.jaxpr else C.replace_closed(body, jaxpr)
         else:
-            result, sites, skipped = self.jaxpr(body, None, frozen, context, carries)
+            result, sites, skipped = self.jaxpr(body, None, frozen, context, carries, feeds)
         self.memo[key] = (body, result, sites, skipped)
         return result, sites, skipped
 
     def descend(self, eqn, graph, frozen, context, sites, skipped):
         """Post-order: rewrite the bodies of a higher-order equation first.
-        `graph()`: the enclosing jaxpr's Graph (built on first use: only the
-        cost model reads it)."""
+        `graph()`: the enclosing jaxpr's Graph (built on first use)."""
         def visit(b, seg, freeze):
             inner = self.cost.context_for(eqn, b, graph(), context) if self.cost is not None else None
-            new, inner_sites, inner_skipped = self.body(b, freeze, inner, subjaxprs.carries(eqn, b))
+            new, inner_sites, inner_skipped = self.body(b, freeze, inner, subjaxprs.carries(eqn, b),
+                                                        contraction.feeds(eqn, b, graph()))
             sites.extend(s.rebased(seg, (eqn.source_info,)) for s in inner_sites)
             skipped.extend(k.rebased(seg, (eqn.source_info,)) for k in inner_skipped)
             return new
@@ -100,13 +102,13 @@ class _Walk:
                 visit(b, seg, frozen or eqn.primitive.name)
         return eqn
 
-    def jaxpr(self, jaxpr, consts, frozen, context, carries=()):
+    def jaxpr(self, jaxpr, consts, frozen, context, carries=(), feeds=None):
         sites, skipped = [], []
         pre = []
 
         def graph():
             if not pre:
-                pre.append(Graph(jaxpr, consts))
+                pre.append(Graph(jaxpr, consts, feeds=feeds))
             return pre[0]
 
         eqns, changed = [], False
@@ -118,7 +120,7 @@ class _Walk:
         roots = [e for e in view_eqns if self._offered(e)]
         if roots:
             view = C.replace_eqns(jaxpr, view_eqns)
-            graph = Graph(view, consts, inlined=inlined)
+            graph = Graph(view, consts, inlined=inlined, feeds=feeds)
             carried = {id(jaxpr.invars[i]) for i in carries}
             replaced = self.match_all(graph, roots, frozen, context, sites, carried)
             if replaced is not None:
