@@ -97,18 +97,22 @@ def eligible_sites(steps, outputs, dtype):
     return candidates, eligible, eligible_live
 
 
-def exact_expected(steps, dtype) -> bool:
-    """Whether the optimized program must match `jax.jit(f)` bit for bit with the
-    kernel in use (see rewrite_support): not when an add reads a mul, which XLA
-    may contract into an FMA in one program and not the other, and not for
-    float16/bfloat16, where XLA:CPU may keep float32 excess precision across
-    ops that our kernel rounds between."""
-    if np.dtype(dtype) in (np.dtype(np.float16), np.dtype(jnp.bfloat16)):
-        return False
+def product_meets_add(steps) -> bool:
+    """Whether an add reads a mul: the contraction rules decide such sites
+    (jaxfuse/rewrite/contraction.py; pinned against XLA by tests/test_contraction.py),
+    so the independent count above does not apply to them."""
     n_in = len(INPUT_SHAPES)
     made_by_mul = {n_in + k for k, (op, _, _) in enumerate(steps) if op == "mul"}
-    return not any(op in ("add", "add-const") and ({x, y} if op == "add" else {x}) & made_by_mul
-                   for op, x, y in steps)
+    return any(op in ("add", "add-const") and ({x, y} if op == "add" else {x}) & made_by_mul
+               for op, x, y in steps)
+
+
+def exact_expected(dtype) -> bool:
+    """Whether the optimized program must match `jax.jit(f)` bit for bit with the
+    kernel in use: always for float32 and int32 (a site XLA would round otherwise
+    is declined); not for float16/bfloat16, where XLA:CPU may keep float32
+    excess precision across ops that our kernel rounds between."""
+    return np.dtype(dtype) not in (np.dtype(np.float16), np.dtype(jnp.bfloat16))
 
 
 def make_inputs(seed, dtype):
@@ -127,16 +131,20 @@ def test_random_programs(program, dtype, seed):
 
     candidates, eligible, eligible_live = eligible_sites(steps, outputs, dtype)
     report = explain_all(f, *inputs)
-    assert len(report.fused) == eligible, (steps, outputs, str(report))
+    counted = not (product_meets_add(steps) and np.dtype(dtype) == np.float32)
+    if counted:
+        assert len(report.fused) == eligible, (steps, outputs, str(report))
+    else:  # fewer, where a product meets an add
+        assert len(report.fused) <= eligible, (steps, outputs, str(report))
     assert len(report) == candidates, (steps, outputs, str(report))
     opt = fuse(f)
-    assert fused_count(jax.make_jaxpr(opt)(*inputs)) == eligible
-    if kernel_active():  # one custom call per live fused site in the lowered program
+    assert fused_count(jax.make_jaxpr(opt)(*inputs)) == len(report.fused)
+    if kernel_active() and counted:  # one custom call per live fused site in the lowered program
         text = jax.jit(opt).lower(*inputs).as_text()
         calls = text.count("custom_call @jaxfuse_add_relu") + text.count("custom_call @jaxfuse_epilogue")
         assert calls == eligible_live
 
-    exact = not kernel_active() or exact_expected(steps, dtype)
+    exact = not kernel_active() or exact_expected(dtype)
     assert_trees(opt(*inputs), jax.jit(f)(*inputs), exact=exact)
 
     if np.dtype(dtype) == np.float32:
