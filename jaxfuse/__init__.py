@@ -10,7 +10,8 @@ from ._primitive import (SERVED_DTYPES, add_relu, add_relu_p, epilogue_p,  # noq
 from ._kernels import kernels, register_all as _register_all
 from . import _lowering  # noqa: F401  (registers the lowerings)
 from . import tuning  # noqa: F401  (policy="measure": jaxfuse.tuning.cache())
-from .rewrite import Match, Pattern, Report, Site, Skipped, explain, optimize, register_pattern  # noqa: F401  (the fusion pass)
+from .rewrite import (Match, Pattern, Report, RuleError, Site, Skipped, explain, optimize,  # noqa: F401
+                      register_pattern, rule)  # (the fusion pass)
 
 # FFI targets are registered now, before any backend exists, so a serialized
 # program holding our custom calls runs in a process that only imported jaxfuse.
@@ -18,5 +19,5 @@ _register_all()
 
 __version__ = "0.2.0"
 __all__ = ["add_relu", "scale_shift_relu", "add_relu_p", "epilogue_p", "SERVED_DTYPES", "kernels",
-           "optimize", "explain", "register_pattern", "Pattern", "Match", "Report", "Site",
-           "Skipped", "tuning"]
+           "optimize", "explain", "rule", "RuleError", "register_pattern", "Pattern", "Match",
+           "Report", "Site", "Skipped", "tuning"]

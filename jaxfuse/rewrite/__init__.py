@@ -9,6 +9,8 @@ Modules, one job each:
   cost      -- the cost model behind policy="auto"
   graph     -- a read-only view of one jaxpr for matchers (producers, uses, constants)
   subjaxprs -- which higher-order primitives the pass descends into
+  contraction -- where XLA would round a site differently (products it contracts)
+  rules     -- `rule(pattern, replacement)`: patterns written as plain JAX functions
   walker    -- the interpreter: post-order walk, matching, rebuilding
   report    -- Site / Skipped / Report, and the table `str(report)` prints
   api       -- optimize and explain
@@ -19,6 +21,7 @@ from .epilogues import PATTERNS as _BUILTIN
 from .graph import Graph
 from .patterns import Match, Pattern, register_pattern, registered_patterns, unregister_pattern
 from .report import Report, Site, Skipped
+from .rules import RuleError, rule
 from .walker import rewrite
 
 for _p in _BUILTIN:
@@ -27,5 +30,5 @@ for _p in _BUILTIN:
 __all__ = [
     "optimize", "explain", "rewrite",
     "Pattern", "Match", "Graph", "register_pattern", "unregister_pattern", "registered_patterns",
-    "Report", "Site", "Skipped",
+    "Report", "Site", "Skipped", "rule", "RuleError",
 ]
