@@ -346,3 +346,36 @@ def test_add_relu_as_a_rule_fuses_the_built_in_add_relus_sites():
             steps, str(built_in), str(as_rule))
 
     check()
+
+
+@pytest.mark.parametrize("wrap", ["jit", "cond", "while", "checkpoint", "custom_jvp", "custom_vjp",
+                                  "shard_map"])
+def test_a_rule_in_every_body_the_walker_enters(rng, wrap):
+    r = jaxfuse.rule(lambda x, b: jnp.tanh(x + b) * 3.0, lambda x, b: 3.0 * jnp.tanh(x + b),
+                     name="tanh3")
+    site = lambda x, b: jnp.tanh(x + b) * 3.0  # noqa: E731
+    if wrap == "jit":
+        f = lambda x, b: jax.jit(lambda x, b: site(x, b) + 0.0 * jnp.sin(x).sum())(x, b)  # noqa: E731
+    elif wrap == "cond":
+        f = lambda x, b: jax.lax.cond(x.sum() > 0, site, lambda x, b: x - b, x, b)  # noqa: E731
+    elif wrap == "while":
+        f = lambda x, b: jax.lax.fori_loop(0, jnp.int32(x.size) % 3 + 1,  # noqa: E731
+                                           lambda i, y: site(y, b), x)
+    elif wrap == "checkpoint":
+        f = jax.checkpoint(site)
+    elif wrap == "custom_jvp":
+        f = jax.custom_jvp(site)
+        f.defjvp(lambda p, t: (site(*p), t[0]))
+    elif wrap == "custom_vjp":
+        f = jax.custom_vjp(site)
+        f.defvjp(lambda x, b: (site(x, b), None), lambda _, g: (g, g.sum(0)))
+    x, b = _normal(rng, 4, 6), _normal(rng, 6)
+    if wrap == "shard_map":  # on 2 devices, x split by rows: the rule runs on each shard
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh = jax.make_mesh((2,), ("d",))
+        x = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+        b = jax.device_put(b, NamedSharding(mesh, P()))
+        f = jax.shard_map(site, mesh=mesh, in_specs=(P("d", None), P()), out_specs=P("d", None))
+    opt = jaxfuse.optimize(f, patterns=[r])
+    assert calls_of(opt, x, b, name="tanh3") == 1, wrap
+    assert_close(opt(x, b), jax.jit(f)(x, b))
