@@ -211,10 +211,22 @@ def _varies(atom, dims) -> frozenset | None:
     return frozenset(d for d, n in zip(dims, shape) if d is not None and not _is_one(n))
 
 
-def chain_hazard(position: int, label: str, operand, out_shape, graph: Graph,
-                 inside: frozenset) -> str | None:
+def chain_hazard(position: int, label: str, operand, out_shape, graph: Graph) -> str | None:
     """Why XLA may round an add in `operand`'s chain of fused producers
     differently in its own loop than in the site's (None: it rounds it alike)."""
+    key = ("contraction chain", id(operand.atom), id(operand.via), tuple(out_shape))
+    found = graph.cached(key, lambda: _unalike_add(operand, out_shape, graph))
+    if found is None:
+        return None
+    name, prim = found
+    return (f"operand {position} (`{label}`) is computed from a `{name}` of a product (`{prim}`) "
+            f"that XLA may contract into a fused multiply-add in its own loop and not in the "
+            f"site's, or the other way round")
+
+
+def _unalike_add(operand, out_shape, graph: Graph):
+    """(add, product) primitives of the first add in `operand`'s fused producers
+    that the two loops may round differently, or None."""
     rank = len(out_shape)
     inner = _innermost(out_shape)
     atom = operand.atom
@@ -226,7 +238,7 @@ def chain_hazard(position: int, label: str, operand, out_shape, graph: Graph,
     while todo and len(seen) < _CHAIN_LIMIT:
         atom, dims, permuted = todo.pop()
         eqn = graph.producer(atom)
-        if eqn is None or id(eqn) in seen or id(eqn) in inside or eqn.primitive.name not in FUSIBLE:
+        if eqn is None or id(eqn) in seen or eqn.primitive.name not in FUSIBLE:
             continue
         seen.add(id(eqn))
         name = eqn.primitive.name
@@ -244,9 +256,7 @@ def chain_hazard(position: int, label: str, operand, out_shape, graph: Graph,
                 else:  # hoisted out of the innermost loop in both, where that loop is the same
                     alike = (not permuted and inner in add_varies and inner not in p_varies)
                 if not alike:
-                    return (f"operand {position} (`{label}`) is computed from a `{name}` of a "
-                            f"product (`{prim}`) that XLA may contract into a fused multiply-add "
-                            f"in its own loop and not in the site's, or the other way round")
+                    return name, prim
         for k, a in enumerate(eqn.invars):
             if C.is_var(a):
                 todo.append((a, _dims_of_operand(eqn, k, dims),
@@ -264,13 +274,11 @@ def addend_hazard(position: int, label: str, operand, out_shape, graph: Graph) -
             f"would read it rounded")
 
 
-def site_reason(labels, operands, addends, factors, out_aval, graph: Graph,
-                inside=frozenset()) -> str | None:
+def site_reason(labels, operands, addends, factors, out_aval, graph: Graph) -> str | None:
     """Why the fused op would not round as XLA does at this site (None: it would).
 
     `addends`: labels of operands the site adds or subtracts; `factors`: labels
-    of the operands of the site's own product, if it has one; `inside`: ids of
-    the equations the site absorbs."""
+    of the operands of the site's own product, if it has one."""
     if np.dtype(out_aval.dtype) not in _WIDE:
         return None  # rounded after every operation: nothing is contracted
     out_shape = tuple(out_aval.shape)
@@ -293,7 +301,7 @@ def site_reason(labels, operands, addends, factors, out_aval, graph: Graph,
         if why:
             return why
     for k, label in enumerate(labels):
-        why = chain_hazard(k + 1, label, by_label[label], out_shape, graph, inside)
+        why = chain_hazard(k + 1, label, by_label[label], out_shape, graph)
         if why:
             return why
     return None

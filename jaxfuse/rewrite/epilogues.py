@@ -189,8 +189,7 @@ def check(mt: Match, graph: Graph) -> str | None:
         return f"the ReLU changes its operand's type from {y.str_short()} to {out.str_short()}"
     if getattr(out, "weak_type", False) != getattr(y, "weak_type", False):
         return "the ReLU changes its operand's weak type"
-    return contraction.site_reason(family.labels, operands, family.addends, family.factors, y, graph,
-                                   frozenset(id(e) for e in mt.eqns))
+    return contraction.site_reason(family.labels, operands, family.addends, family.factors, y, graph)
 
 
 def build(mt: Match, graph: Graph):

@@ -110,15 +110,16 @@ def _trace(fun, avals) -> _Template:
 class _State:
     bound: dict        # id(pattern invar) -> program atom
     mapped: dict       # id(pattern eqn) -> program eqn
+    used: frozenset = frozenset()  # ids of the program equations mapped
 
     def bind(self, var, atom):
         old = self.bound.get(id(var))
         if old is not None:
             return self if old is atom else None
-        return _State({**self.bound, id(var): atom}, self.mapped)
+        return _State({**self.bound, id(var): atom}, self.mapped, self.used)
 
     def map(self, p_eqn, g_eqn):
-        return _State(self.bound, {**self.mapped, id(p_eqn): g_eqn})
+        return _State(self.bound, {**self.mapped, id(p_eqn): g_eqn}, self.used | {id(g_eqn)})
 
 
 class _Matcher:
@@ -163,7 +164,7 @@ class _Matcher:
             if done is ge:
                 yield state
             return
-        if any(g is ge for g in state.mapped.values()):
+        if id(ge) in state.used:
             return  # one program equation per pattern equation
         if ge.effects:
             return
@@ -345,6 +346,7 @@ class _Rule:
             example_args = (_DEFAULT_EXAMPLE,) * n
         self.examples = tuple(_abstract(a) for a in example_args)
         self.roots = set()
+        self._heads = []  # (pattern index, template at the examples, its first output's primitive)
         for k, pattern in enumerate(patterns):
             template = self.template(k, self.examples)
             for v in template.jaxpr.outvars:
@@ -359,6 +361,7 @@ class _Rule:
                                 f"arguments, so a match could not bind them")
             first = next(e for e in template.jaxpr.eqns if template.jaxpr.outvars[0] in e.outvars)
             self.roots.add(first.primitive.name)
+            self._heads.append((k, template, first.primitive.name))
             self.check_replacement(self.examples, template.out_avals)
 
     def template(self, k, avals) -> _Template:
@@ -389,10 +392,8 @@ class _Rule:
 
     # ---- Pattern protocol
     def match(self, eqn, graph: Graph):
-        for k in range(len(self.patterns)):
-            template = self.template(k, self.examples)
-            first = next(e for e in template.jaxpr.eqns if template.jaxpr.outvars[0] in e.outvars)
-            if first.primitive.name != eqn.primitive.name:
+        for k, template, head in self._heads:
+            if head != eqn.primitive.name:
                 continue
             loose = _Matcher(template, graph, exact=False)
             near = None
