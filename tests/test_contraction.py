@@ -197,3 +197,21 @@ def test_values_equal_jit_under_each_isa(tmp_path, isa):
     out = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_product_inside_a_call_xla_inlines_is_seen(rng):
+    # jax.nn.standardize under grad is a jit of over 16 equations (not inlined
+    # for matching), whose output is `(x - mean) * rsqrt(var)`: the batch mean
+    # inside it still meets the subtraction in XLA's inlined program.
+    x = _data(rng, (4, 6, 6, 8), np.float32)
+    g, b = _data(rng, (8,), np.float32), _data(rng, (8,), np.float32)
+
+    def loss(x, g, b):
+        return jax.nn.relu(g * jax.nn.standardize(x, axis=(0, 1, 2)) + b).sum()
+
+    step = jax.grad(loss, argnums=(1, 2))
+    report = explain_all(step, x, g, b)
+    assert report.sites and not report.fused, str(report)
+    assert all("product (`div`)" in s.reason for s in report.rejected), str(report)
+    for got, want in zip(fuse(step)(x, g, b), jax.jit(step)(x, g, b)):
+        assert_bitwise_equal(got, want)

@@ -138,3 +138,12 @@ def test_resnet50_batch_statistics_sites_are_declined_with_the_reason():
     # The cost model is never asked: the site is not exact, whatever it costs.
     auto = jaxfuse.explain(apply, params, x, platform="tpu")
     assert not auto.fused and not auto.declined_for_cost
+
+
+def test_training_step_sites_are_declined_as_in_the_forward_pass():
+    # Under grad the BatchNorm's standardize is a call of its own; the batch
+    # mean inside it is seen all the same.
+    apply, loss, params, x = setup_model()
+    report = explain_all(jax.grad(loss), params, x)
+    assert [s.pattern for s in report.fused] == ["add_relu"], str(report)
+    assert all("(`div`)" in s.reason for s in report.rejected), str(report)

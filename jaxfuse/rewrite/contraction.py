@@ -33,8 +33,10 @@ Products are `mul`, `integer_pow` (y >= 2: XLA emits multiplies), `square`,
 a `div` by anything but a full-size array (XLA's simplifier rewrites
 `a / broadcast(b)` as `a * broadcast(1 / b)`) and a `dot_general` with no
 contraction of size above 1 (simplified to a multiply), seen through views,
-broadcasts and negation; across the boundary of a call XLA inlines (jit,
-custom_jvp/vjp, checkpoint), the caller's product itself (`feeds`).
+broadcasts and negation, and into and out of the bodies of calls XLA inlines
+(jit, custom_jvp/vjp, checkpoint: `jax.nn.standardize` under `grad` is one);
+a product the caller of the jaxpr being rewritten computes for it is passed
+down by the walker (`feeds`).
 float16 and bfloat16 are rounded after every operation
 (jaxfuse/_numerics.py), so no product is contracted there.
 tests/test_contraction.py pins each rule against XLA.
@@ -94,19 +96,56 @@ def full(view_shapes, out_shape) -> bool:
                for d in range(rank))
 
 
-def product_of(atom, graph: Graph) -> str | None:
-    """The primitive of the product XLA computes in the loop reading `atom`,
-    or None when `atom` is not (provably) such a product."""
-    seen = 0
-    while C.is_var(atom) and seen < 64:
-        seen += 1
+def _producer(atom, graph: Graph, frames=()):
+    """(equation, its graph, frames) computing `atom`, looking into the bodies
+    of calls XLA inlines and out of them again to their callers' operands;
+    `frames`: the (graph, call) pairs entered. (None, graph, frames) for an
+    argument, a constant, or a body input whose caller is not in view."""
+    for _ in range(64):
         eqn = graph.producer(atom)
         if eqn is None:
-            return _from_caller(atom, graph)
+            if frames and C.is_var(atom) and atom in graph.jaxpr.invars:
+                outer, call = frames[-1]
+                atom = call.invars[list(graph.jaxpr.invars).index(atom)]
+                graph, frames = outer, frames[:-1]
+                continue
+            return None, graph, frames
+        body = _inlined_body(eqn) if eqn.primitive.name in _INLINED else None
+        if body is None:
+            return eqn, graph, frames
+        inner = graph.cached(("inlined body", id(body)), lambda b=body: Graph(b.jaxpr, b.consts))
+        out = inner.jaxpr.outvars[_index(eqn.outvars, atom)]
+        if not C.is_var(out):
+            return None, graph, frames
+        atom, graph, frames = out, inner, (*frames, (graph, eqn))
+    return None, graph, frames
+
+
+def _inlined_body(eqn):
+    closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+    if not isinstance(closed, C.ClosedJaxpr):
+        return None
+    if len(closed.jaxpr.invars) != len(eqn.invars) or len(closed.jaxpr.outvars) != len(eqn.outvars):
+        return None
+    return closed
+
+
+def _index(outvars, atom) -> int:
+    return next(k for k, v in enumerate(outvars) if v is atom)
+
+
+def product_of(atom, graph: Graph, frames=()) -> str | None:
+    """The primitive of the product XLA computes in the loop reading `atom`,
+    or None when `atom` is not (provably) such a product."""
+    for _ in range(64):
+        if not C.is_var(atom):
+            return None
+        eqn, graph, frames = _producer(atom, graph, frames)
+        if eqn is None:
+            return _from_caller(atom, graph) if not frames else None
         name = eqn.primitive.name
         if name in _SEE_THROUGH and len(eqn.invars) >= 1:
-            index = next(k for k, v in enumerate(eqn.outvars) if v is atom) if name == "pvary" else 0
-            atom = eqn.invars[index]
+            atom = eqn.invars[_index(eqn.outvars, atom) if name == "pvary" else 0]
             continue
         if name == "mul":
             ones = [k for k, v in enumerate(eqn.invars) if _all_ones(v, graph)]
@@ -234,10 +273,10 @@ def _unalike_add(operand, out_shape, graph: Graph):
         dims = tuple(operand.via.params["broadcast_dimensions"])
     else:
         dims = tuple(range(rank - len(getattr(atom.aval, "shape", ())), rank))
-    todo, seen = [(atom, dims, False)], set()
+    todo, seen = [(atom, dims, False, graph, ())], set()
     while todo and len(seen) < _CHAIN_LIMIT:
-        atom, dims, permuted = todo.pop()
-        eqn = graph.producer(atom)
+        atom, dims, permuted, g, frames = todo.pop()
+        eqn, g, frames = _producer(atom, g, frames)
         if eqn is None or id(eqn) in seen or eqn.primitive.name not in FUSIBLE:
             continue
         seen.add(id(eqn))
@@ -245,7 +284,7 @@ def _unalike_add(operand, out_shape, graph: Graph):
         if name in _ADDS and len(eqn.invars) == 2:
             add_varies = _varies(eqn.outvars[0], dims)
             for k, a in enumerate(eqn.invars):
-                prim = product_of(a, graph) if C.is_var(a) else None
+                prim = product_of(a, g, frames) if C.is_var(a) else None
                 if prim is None:
                     continue
                 p_varies = _varies(a, _dims_of_operand(eqn, k, dims))
@@ -259,8 +298,8 @@ def _unalike_add(operand, out_shape, graph: Graph):
                     return name, prim
         for k, a in enumerate(eqn.invars):
             if C.is_var(a):
-                todo.append((a, _dims_of_operand(eqn, k, dims),
-                             permuted or name == "transpose"))
+                todo.append((a, _dims_of_operand(eqn, k, dims), permuted or name == "transpose",
+                             g, frames))
     return None
 
 
