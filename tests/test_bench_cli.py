@@ -77,7 +77,8 @@ def test_cli_exit_code_table_and_legend(quick_run):
     proc, _, _ = quick_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    for col in ("median us", "bytes", "timing", "% roof", "t/xla", "95% CI", "verdict"):
+    for col in ("median us", "bytes", "timing", "% roof", "t/xla", "95% CI", "verdict", "temp",
+                "temp/xla"):
         assert col in out
     assert "latency    = each call dispatched and waited for" in out
     assert "throughput = K calls dispatched back to back" in out
@@ -88,6 +89,8 @@ def test_cli_exit_code_table_and_legend(quick_run):
             assert re.search(rf"^{wl} float32 jaxfuse \(policy=always\) \[{tm}\]: \d+ BEATS, \d+ TIES, "
                              rf"\d+ LOSES of 2 cases", out, re.M), out
     assert re.search(r"^mlp float32 jaxfuse \(policy=auto\) \[latency\]: ", out, re.M)
+    assert re.search(r"^model workloads, compiled temp bytes against XLA: jaxfuse \(auto\) more in "
+                     r"\d+ of 2\b.*; jaxfuse-always more in \d+ of 2\b", out, re.M), out
     assert "reference bandwidth:" in out
     # human-readable bytes: 4096 float32 x 3 passes = 48 KiB
     assert re.search(r"add_relu\s+float32\s+4096\s+48 KiB\s+latency\s+xla", out), out
@@ -143,8 +146,14 @@ def test_cli_json_schema(quick_run):
             assert isinstance(r["same_program_as_xla"], bool)
             # a custom call in the program makes it a different program from XLA's
             assert not (r["same_program_as_xla"] and r["custom_calls"] > 0)
+        if r["mode"] == "unfused":  # two executables: no one program's memory
+            assert r["memory"] is None and r["temp_ratio"] is None
+        else:
+            assert set(r["memory"]) == set(workloads.MEMORY_FIELDS), r["memory"]
+            for k in ("temp", "argument", "output", "alias"):
+                assert isinstance(r["memory"][k], int) and r["memory"][k] >= 0, (k, r["memory"])
         if r["mode"] == "xla":
-            assert r["ratio_ci"] is None and r["verdict"] is None
+            assert r["ratio_ci"] is None and r["verdict"] is None and r["temp_ratio"] is None
         else:
             lo, hi = r["ratio_ci"]
             assert lo <= r["ratio_median"] <= hi
@@ -371,6 +380,112 @@ def test_model_headline_counts_only_default_policy_losses():
     assert "mlp float32 [throughput] 1.200 [1.100, 1.300]" in line
 
 
+# ------------------------------------------------------------------ memory
+def _mem(temp, argument=64, output=32, alias=0, peak=None):
+    return {"temp": temp, "argument": argument, "output": output, "alias": alias, "peak": peak}
+
+
+def test_memory_stats_of_whatever_memory_analysis_returns():
+    class Stats:
+        temp_size_in_bytes, argument_size_in_bytes, output_size_in_bytes = 8, 64, 32
+        alias_size_in_bytes, peak_memory_in_bytes = 0, 104
+
+    class Old:  # no peak, an alias the backend does not know (-1)
+        temp_size_in_bytes, argument_size_in_bytes, output_size_in_bytes = 8, 64, 32
+        alias_size_in_bytes = -1
+
+    full = {"temp": 8, "argument": 64, "output": 32, "alias": 0, "peak": 104}
+    assert workloads.memory_stats(Stats()) == full
+    assert workloads.memory_stats([Stats()]) == full
+    assert workloads.memory_stats(Old()) == dict(full, alias=None, peak=None)
+    assert workloads.memory_stats({"temp_size_in_bytes": 8}) == dict.fromkeys(full) | {"temp": 8}
+    assert workloads.memory_stats(None) is None
+    assert workloads.memory_stats([Stats(), Stats()]) is None  # two programs: no one figure
+    assert workloads.memory_stats(object()) is None  # no temp figure at all
+
+
+def test_inspect_records_the_compiled_programs_memory():
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((1024,), jnp.float32)
+    ins = workloads.inspect(jax.jit(lambda x, y: jnp.sort(x) + y), a, a)
+    expected = workloads.memory_stats(jax.jit(lambda x, y: jnp.sort(x) + y).lower(a, a).compile()
+                                      .memory_analysis())
+    assert ins.memory == expected and ins.memory["argument"] == 2 * 4096
+    assert ins.memory["output"] == 4096
+    # inspection never raises: a function that does not lower has no figures
+    bad = workloads.inspect(lambda x: x.no_such_method(), a)
+    assert bad.memory is None and bad.xla_bytes is None
+
+
+def test_temp_ratio_rules():
+    assert report.temp_ratio(150, 100) == 1.5
+    assert report.temp_ratio(100, 100) == 1.0
+    assert report.temp_ratio(0, 0) == 1.0  # no temp in either: nothing raised
+    assert report.temp_ratio(8, 0) is None  # no ratio over 0 B; said so instead
+    assert report.temp_ratio(None, 100) is None and report.temp_ratio(100, None) is None
+
+
+def _mrec(mode, wl, temp, tm="latency", dtype="float32", **mem):
+    policy = {"jaxfuse": "auto", "jaxfuse-always": "always"}.get(mode)
+    return _rec(mode, [1.0], tm=tm, wl=wl, dtype=dtype, shape=(4, 8), kind="model", policy=policy,
+                memory=None if temp is None else _mem(temp, **mem))
+
+
+def test_memory_ratios_table_and_summary():
+    recs = []
+    for tm in ("latency", "throughput"):
+        recs += [_mrec("xla", "mlp", 1000, tm), _mrec("jaxfuse", "mlp", 1000, tm),
+                 _mrec("jaxfuse-always", "mlp", 1290, tm),
+                 _mrec("xla", "relu_add", 0, tm), _mrec("jaxfuse", "relu_add", 0, tm),
+                 _mrec("jaxfuse-always", "relu_add", 8192, tm),
+                 _mrec("xla", "cnn", 400, tm), _mrec("jaxfuse", "cnn", 300, tm),
+                 _mrec("jaxfuse-always", "cnn", None, tm),
+                 _mrec("xla", "cnn", 400, tm, dtype="bfloat16"),
+                 _mrec("jaxfuse", "cnn", 400, tm, dtype="bfloat16", output=48),
+                 _mrec("jaxfuse-always", "cnn", 500, tm, dtype="bfloat16")]
+    report.attach_memory_ratios(recs)
+    got = {(r["workload"], r["dtype"], r["mode"]): r["temp_ratio"] for r in recs}
+    assert got == {
+        ("mlp", "float32", "xla"): None, ("mlp", "float32", "jaxfuse"): 1.0,
+        ("mlp", "float32", "jaxfuse-always"): 1.29,
+        ("relu_add", "float32", "xla"): None, ("relu_add", "float32", "jaxfuse"): 1.0,
+        ("relu_add", "float32", "jaxfuse-always"): None,
+        ("cnn", "float32", "xla"): None, ("cnn", "float32", "jaxfuse"): 0.75,
+        ("cnn", "float32", "jaxfuse-always"): None,
+        ("cnn", "bfloat16", "xla"): None, ("cnn", "bfloat16", "jaxfuse"): 1.0,
+        ("cnn", "bfloat16", "jaxfuse-always"): 1.25,
+    }
+    line = report.verdicts(recs)[-1]
+    # Four cases per mode, counted once each however many timing modes they ran in.
+    assert line == (
+        "model workloads, compiled temp bytes against XLA: "
+        "jaxfuse (auto) more in 0 of 4, largest 1.000x, argument/output bytes differ from xla's "
+        "in 1: cnn bfloat16; "
+        "jaxfuse-always more in 3 of 3 (1 over xla's 0 B: relu_add float32 8 KiB), largest other "
+        "1.290x at mlp float32, not known in 1.")
+
+    head = list(report.TABLE_HEAD)
+    assert head[-2:] == ["temp", "temp/xla"]
+    rows = {(row[0], row[1], row[4], row[5]): row for row in report.table_rows(recs)}
+    cell = {k: (row[-2], row[-1]) for k, row in rows.items() if k[2] == "latency"}
+    assert cell[("mlp", "float32", "latency", "xla")] == ("1000 B", "")
+    assert cell[("mlp", "float32", "latency", "jaxfuse-always")] == ("1.26 KiB", "1.290")
+    assert cell[("relu_add", "float32", "latency", "jaxfuse")] == ("0 B", "1.000")
+    assert cell[("relu_add", "float32", "latency", "jaxfuse-always")] == ("8 KiB", "> xla's 0 B")
+    assert cell[("cnn", "float32", "latency", "jaxfuse-always")] == ("-", "-")
+    table = report.format_table(recs)
+    assert re.search(r"sites/calls\s+temp\s+temp/xla$", table.splitlines()[0]), table
+    assert "temp/xla = that / xla's (1 when both are 0)" in report.legend(None)
+
+    # Without any memory figure (older files, other backends) there is no memory line.
+    bare = [_mrec("xla", "mlp", None), _mrec("jaxfuse", "mlp", None)]
+    report.attach_memory_ratios(bare)
+    assert bare[1]["temp_ratio"] is None
+    assert not any("temp bytes" in ln for ln in report.verdicts(bare))
+
+
 # --------------------------------------------------------------- roofline
 def test_roofline_flag_and_summary():
     recs = [_rec("xla", [1e-3], nbytes=int(10.6e6)), _rec("jaxfuse", [1e-3], nbytes=int(10.4e6), impl="kernel")]
@@ -454,6 +569,35 @@ def test_compare_two_files(tmp_path, capsys):
     # an old GPU file without timing_mode was timed back to back: throughput
     gpu_old = _payload([_crec("add_relu", "xla", 100, 95, 105, tm=None)], platform="gpu")
     assert list(compare.index(gpu_old))[0][-1] == "throughput"
+
+
+def test_compare_shows_the_temp_ratio_where_both_files_have_it(tmp_path, capsys):
+    def rec(wl, mode, temp_ratio=None):
+        r = _crec(wl, mode, 100, 95, 105)
+        if temp_ratio is not None:
+            r["temp_ratio"] = temp_ratio
+        return r
+
+    old = _payload([rec("mlp", "jaxfuse", 1.0), rec("mlp", "jaxfuse-always", 1.0),
+                    rec("cnn", "jaxfuse-always")])  # written before the field existed
+    new = _payload([rec("mlp", "jaxfuse", 1.0), rec("mlp", "jaxfuse-always", 1.29),
+                    rec("cnn", "jaxfuse-always", 1.5)])
+    po, pn = tmp_path / "old.json", tmp_path / "new.json"
+    po.write_text(json.dumps(old))
+    pn.write_text(json.dumps(new))
+    assert cli.main(["--compare", str(po), "--against", str(pn)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert any(ln.rstrip().endswith("temp/xla old -> new") for ln in lines), out
+    rows = {tuple(ln.split()[:4:3]): ln for ln in lines if ln.startswith(("mlp", "cnn"))}
+    assert rows[("mlp", "jaxfuse")].endswith("1.000 -> 1.000")
+    assert rows[("mlp", "jaxfuse-always")].endswith("1.000 -> 1.290 *")
+    assert re.search(r"1\.000\s*$", rows[("cnn", "jaxfuse-always")])  # new/old time; no temp cell
+    assert ("compiled temp bytes over xla's (temp/xla, exact): changed in 1 of 2 records with both "
+            "figures (marked '*')") in out
+    # files without the field: no temp column at all
+    assert "temp/xla" not in compare.format_compare(_payload([rec("mlp", "jaxfuse")]),
+                                                    _payload([rec("mlp", "jaxfuse")]))
 
 
 def test_compare_errors(tmp_path, capsys):

@@ -3,12 +3,15 @@
 What is checked: every model workload runs in the three modes and both timing
 modes with a ratio interval for both jaxfuse modes against xla; the fused-site
 and custom-call counts come from explain and the lowered program; a workload
-whose library is missing is skipped with its reason, and the rest still runs.
+whose library is missing is skipped with its reason, and the rest still runs;
+every record carries its compiled program's memory, and the temp ratio to xla,
+its table columns and its summary line follow from those figures.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import jax
@@ -16,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxfuse
-from jaxfuse.bench import cli, models, reference
+from jaxfuse.bench import cli, models, reference, report
 
 TINY = {
     "relu_add": (4096,),
@@ -91,6 +94,53 @@ def test_model_workloads_records_and_counts(tmp_path, tiny, capsys):
     out = capsys.readouterr().out
     assert "model workloads, jaxfuse with the default policy (auto) against XLA:" in out
     assert "jaxfuse-always (policy=always) [throughput]" in out
+
+
+def test_model_records_carry_the_compiled_programs_memory(tmp_path, tiny, capsys):
+    wls = [w for w in ("relu_add", "mlp", "mlp_train_step", "dense_relu") if models.missing(w) is None]
+    rc, data = _run(tmp_path, wls, "--timing", "latency")
+    assert rc == 0 and data["errors"] == [], capsys.readouterr()
+    recs = data["records"]
+    xla = {}
+    for r in recs:
+        mem = r["memory"]
+        assert mem is not None and set(mem) >= {"temp", "argument", "output", "alias"}, r
+        assert all(isinstance(mem[k], int) and mem[k] >= 0 for k in ("temp", "argument", "output")), mem
+        if r["mode"] == "xla":
+            xla[r["workload"]] = mem
+            assert r["temp_ratio"] is None
+    same = []
+    for r in recs:
+        if r["mode"] == "xla":
+            continue
+        own, base = r["memory"]["temp"], xla[r["workload"]]["temp"]
+        # the ratio follows from the two records' figures (and 0 over 0 is 1)
+        expected = own / base if base else (1.0 if own == 0 else None)
+        assert r["temp_ratio"] == expected, (r["workload"], r["mode"], own, base, r["temp_ratio"])
+        # one function, one signature: the same arguments and results
+        assert r["memory"]["argument"] == xla[r["workload"]]["argument"]
+        assert r["memory"]["output"] == xla[r["workload"]]["output"]
+        if r["mode"] == "jaxfuse" and r["same_program_as_xla"]:
+            same.append(r)
+            assert r["temp_ratio"] == 1.0  # XLA's own program: XLA's own memory, exactly
+    if HAVE_KERNEL:  # tiny sizes: the default policy declines every site (see above)
+        assert len(same) == len(wls)
+    out = capsys.readouterr().out
+    header = next(ln for ln in out.splitlines() if ln.startswith("workload "))
+    assert re.search(r"\btemp\s+temp/xla$", header), header
+    for r in recs:
+        if r["mode"] == "jaxfuse-always":
+            cell = (f"{r['temp_ratio']:.3f}" if r["temp_ratio"] is not None else "> xla's 0 B")
+            row = next(ln for ln in out.splitlines()
+                       if re.match(rf"{r['workload']}\s.*\sjaxfuse-always\s", ln))
+            temp = report.human_bytes(r["memory"]["temp"])
+            assert re.search(rf"\s{re.escape(temp)}\s+{re.escape(cell)}$", row), row
+    n = len(wls)
+    more = {m: sum(r["memory"]["temp"] > xla[r["workload"]]["temp"] for r in recs if r["mode"] == m)
+            for m in ("jaxfuse", "jaxfuse-always")}
+    assert re.search(rf"^model workloads, compiled temp bytes against XLA: jaxfuse \(auto\) more in "
+                     rf"{more['jaxfuse']} of {n}\b.*; jaxfuse-always more in {more['jaxfuse-always']} "
+                     rf"of {n}\b", out, re.M), out
 
 
 def test_missing_library_is_skipped_with_a_reason(tmp_path, tiny, monkeypatch, capsys):

@@ -15,7 +15,9 @@ What is measured:
 each in two timing modes, ``latency`` (every call waited for) and
 ``throughput`` (K calls back to back, one wait), interleaved, with the paired
 95% interval of every time ratio to xla deciding BEATS / TIES / LOSES, and every
-record's GB/s as a share of a reference copy bandwidth measured in the same run.
+record's GB/s as a share of a reference copy bandwidth measured in the same run;
+beside the times, each compiled program's memory as XLA reports it (temp,
+argument, output bytes), its temp bytes compared with xla's exactly.
 
 Modules: ``timing`` (timing modes, interleaving, cache rotation, ratio CIs),
 ``reference`` (the copy-bandwidth ceiling), ``workloads`` (op modes, bytes,

@@ -370,13 +370,14 @@ def run(args) -> int:
                 reference_gbps=payload["reference_gbps"], xla_bytes=ins.xla_bytes, impl=ins.impl,
                 policy=group.policies.get(mode), custom_calls=ins.custom_calls, sites=ins.sites,
                 declined=ins.declined, rejected=ins.rejected, batch=k,
-                buffer_sets=group.buffer_sets, bytes_source=group.bytes_source,
+                buffer_sets=group.buffer_sets, bytes_source=group.bytes_source, memory=ins.memory,
             ))
         xla_ins = group.inspections.get("xla")
         for r in recs:
             fp = group.inspections[r["mode"]].fingerprint
             r["same_program_as_xla"] = (None if r["mode"] == "xla" or xla_ins is None or fp is None
                                         or xla_ins.fingerprint is None else fp == xla_ins.fingerprint)
+        report.attach_memory_ratios(recs)
         report.attach_ratios(recs)
         payload["records"].extend(recs)
         del group, results

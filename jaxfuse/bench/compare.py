@@ -7,6 +7,10 @@ beyond *both* runs' sample spread -- the new median lies outside the old run's
 min..max and the old median outside the new run's min..max (``+`` slower,
 ``-`` faster).  Cases in only one file are listed as added or removed.
 
+Where both records have a ``temp_ratio`` (a jaxfuse mode's compiled temp bytes
+over xla's, see ``report``) the row also shows it old -> new; it is exact, so
+any change is the program's, not noise.  Files without it load as before.
+
 Files written before ``timing_mode`` existed timed CPU runs per call (latency)
 and GPU runs back to back (throughput); their records are read that way.
 """
@@ -76,6 +80,17 @@ def _describe(p: dict, path: str | None) -> str:
     return " | ".join(b for b in bits if b)
 
 
+def _temp_cell(o: dict, n: dict) -> str:
+    """'old -> new' temp/xla where both records have one, else ''."""
+    a, b = o.get("temp_ratio"), n.get("temp_ratio")
+    if a is None or b is None:
+        return ""
+    if a == b:
+        return f"{a:.3f} -> {b:.3f}"
+    spec = ".3f" if f"{a:.3f}" != f"{b:.3f}" else ".6f"  # widened until the change shows
+    return f"{a:{spec}} -> {b:{spec}} *"
+
+
 def format_compare(old: dict, new: dict, old_path: str | None = None,
                    new_path: str | None = None) -> str:
     res = compare(old, new)
@@ -84,13 +99,16 @@ def format_compare(old: dict, new: dict, old_path: str | None = None,
         out.append("WARNING: the two runs are from different devices")
     head = ["workload", "dtype", "shape", "mode", "timing", "old us", "new us", "new/old", "change"]
     rows = []
-    for k, o, n, ratio, mark in res["common"]:
+    temps = [_temp_cell(o, n) for _, o, n, _, _ in res["common"]]
+    for (k, o, n, ratio, mark), temp in zip(res["common"], temps):
         word = {SLOWER: "+ slower", FASTER: "- faster"}.get(mark, "")
         rows.append(_key_cells(k) + [f"{o['median_s'] * 1e6:.1f}", f"{n['median_s'] * 1e6:.1f}",
-                                     f"{ratio:.3f}", word])
+                                     f"{ratio:.3f}", word] + ([temp] if any(temps) else []))
+    if any(temps):
+        head = head + ["temp/xla old -> new"]
     if rows:
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        left = {0, 1, 2, 3, 4, 8}
+        left = {0, 1, 2, 3, 4, 8, 9}
 
         def line(cells):
             return "  ".join(c.ljust(w) if i in left else c.rjust(w)
@@ -110,5 +128,9 @@ def format_compare(old: dict, new: dict, old_path: str | None = None,
                f"{marks.count(FASTER)} faster beyond both runs' spread (min..max), "
                f"{marks.count('')} within it; {len(res['added'])} added, "
                f"{len(res['removed'])} removed")
+    changed = [t for t in temps if t.endswith(" *")]
+    if any(temps):
+        out.append(f"compiled temp bytes over xla's (temp/xla, exact): changed in {len(changed)} of "
+                   f"{sum(map(bool, temps))} records with both figures (marked '*')")
     return "\n".join(out)
 

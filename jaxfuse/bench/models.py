@@ -10,8 +10,10 @@ Each is timed in three modes, interleaved, in both timing modes:
 
 The question they answer is the issue's "never slower than XLA": the
 ``jaxfuse`` mode's time ratio against ``xla`` must not have a 95% interval
-above 1.  Each record also says how many sites the pass fused (``explain``)
-and how many custom calls the lowered program holds.
+above 1.  Each record also says how many sites the pass fused (``explain``),
+how many custom calls the lowered program holds and the compiled program's
+memory as XLA reports it; its temp bytes against xla's answer the other
+question, whether ``optimize`` raises a program's memory.
 
 Workloads (sizes per platform in ``SIZES``: ``quick`` / ``cpu`` / ``gpu``)
 ------------------------------------------------------------------------

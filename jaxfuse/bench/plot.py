@@ -7,12 +7,18 @@
   ringed in red (a measurement error, not a result).
 * Model workloads: a bar chart per dtype of the paired time ratio to xla
   (jaxfuse, jaxfuse-always; latency, throughput) with its 95% interval as the
-  error bar; 1 is XLA's time.
+  error bar; 1 is XLA's time.  Below each, where the run has the figures, a bar
+  chart of the compiled program's temp bytes as XLA reports them, over xla's
+  (``temp_ratio``; jaxfuse, jaxfuse-always, one bar each: memory does not
+  depend on the timing mode), each bar labelled with its exact value and no
+  error bar (the figure is deterministic); 1 is XLA's temp bytes.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
+
+from .report import human_bytes
 
 MODE_STYLE = {
     "unfused": {"color": "tab:gray", "marker": "s"},
@@ -103,6 +109,41 @@ def _model_panel(ax, recs, dt):
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)
 
 
+def _memory_panel(ax, recs, dt):
+    workloads = list(dict.fromkeys(r["workload"] for r in recs))
+    xla_temp = {r["workload"]: (r.get("memory") or {}).get("temp") for r in recs if r["mode"] == "xla"}
+    modes = [m for m in ("jaxfuse", "jaxfuse-always") if any(r["mode"] == m for r in recs)]
+    width = 0.8 / max(1, len(modes))
+    for j, mode in enumerate(modes):
+        xs, ys = [], []
+        for i, wl in enumerate(workloads):
+            r = next((r for r in recs if r["workload"] == wl and r["mode"] == mode), None)
+            if r is None:
+                continue
+            x = i + (j - (len(modes) - 1) / 2) * width
+            own = (r.get("memory") or {}).get("temp")
+            if r.get("temp_ratio") is not None:
+                xs.append(x)
+                ys.append(r["temp_ratio"])
+            elif own and xla_temp.get(wl) == 0:  # no ratio to draw: say so in the bar's place
+                ax.text(x, 0.5, f"{human_bytes(own)} over xla's 0 B", rotation=90, ha="center",
+                        va="center", fontsize=7, color=BAR_COLOR[mode], clip_on=True)
+        if xs:
+            bars = ax.bar(xs, ys, width=width * 0.95, color=BAR_COLOR[mode], alpha=0.85,
+                          edgecolor="k", lw=0.5, label=mode)
+            ax.bar_label(bars, fmt="%.3f", fontsize=6, padding=1)
+    ax.axhline(1.0, color="tab:blue", lw=1, label="xla (= 1)")
+    ax.set_ylim(bottom=0.0, top=max(1.0, ax.get_ylim()[1]) * 1.12)  # room for the bar labels
+    ax.set_xlim(-0.5, len(workloads) - 0.5)  # a slot with only a note has no bar to span it
+    ax.set_xticks(range(len(workloads)))
+    ax.set_xticklabels(workloads, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("temp bytes / xla's")
+    ax.set_title(f"model workloads {dt}: the compiled program's temp bytes as XLA reports them "
+                 f"(memory_analysis; exact), over xla's (above 1: more memory)", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)
+
+
 def plot(payload: dict, path: str) -> None:
     plt = _pyplot()
     from matplotlib.gridspec import GridSpec
@@ -114,13 +155,17 @@ def plot(payload: dict, path: str) -> None:
     tms = _ordered((r.get("timing_mode", "latency") for r in ops), ("latency", "throughput"))
     op_dts = _ordered((r["dtype"] for r in ops), DTYPE_ORDER)
     m_dts = _ordered((r["dtype"] for r in model), DTYPE_ORDER)
+    # A memory panel under a dtype's time panel where any of its records has a figure.
+    mem_dts = {dt for dt in m_dts if any((r.get("memory") or {}).get("temp") is not None
+                                         for r in model if r["dtype"] == dt)}
+    m_heights = [h for dt in m_dts for h in ([4.0, 3.4] if dt in mem_dts else [4.0])]
     op_rows = len(op_wls) * len(tms)
     ncol = max(1, len(op_dts))
-    nrow = op_rows + len(m_dts)
+    nrow = op_rows + len(m_heights)
     if nrow == 0:
         op_rows, nrow = 1, 1
-    fig = plt.figure(figsize=(max(4.6 * ncol, 12), 3.2 * op_rows + 4.0 * len(m_dts) + 0.8))
-    gs = GridSpec(nrow, ncol, figure=fig, height_ratios=[3.2] * op_rows + [4.0] * len(m_dts))
+    fig = plt.figure(figsize=(max(4.6 * ncol, 12), 3.2 * op_rows + sum(m_heights) + 0.8))
+    gs = GridSpec(nrow, ncol, figure=fig, height_ratios=[3.2] * op_rows + m_heights)
     ref = payload.get("reference_gbps")
     ref_info = payload.get("reference") or {}
     ref_label = (f"reference {ref:.0f} GB/s ({ref_info.get('label', 'copy')})" if ref else "")
@@ -138,9 +183,14 @@ def plot(payload: dict, path: str) -> None:
             if j == 0:
                 ax.set_ylabel("achieved GB/s")
 
-    for k, dt in enumerate(m_dts):
-        ax = fig.add_subplot(gs[op_rows + k, :])
-        _model_panel(ax, [r for r in model if r["dtype"] == dt], dt)
+    row = op_rows
+    for dt in m_dts:
+        sel = [r for r in model if r["dtype"] == dt]
+        _model_panel(fig.add_subplot(gs[row, :]), sel, dt)
+        row += 1
+        if dt in mem_dts:
+            _memory_panel(fig.add_subplot(gs[row, :]), sel, dt)
+            row += 1
     if not records:
         ax = fig.add_subplot(gs[0, 0])
         ax.text(0.5, 0.5, "no records", ha="center", va="center")

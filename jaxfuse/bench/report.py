@@ -5,6 +5,11 @@ compared case the jaxfuse/xla time ratio's 95% interval is bootstrapped from
 the paired, interleaved samples (``timing.ratio_ci``).  A case BEATS XLA when
 the whole interval is below 1, LOSES when it is wholly above 1, and otherwise
 TIES -- the samples cannot tell the two apart.
+
+Memory is not sampled: each record carries the compiled program's memory as
+XLA reports it (``memory``: temp, argument, output, alias and peak bytes; see
+``workloads.memory_stats``), the same on every run of the same program, so
+its ``temp_ratio`` to xla's temp bytes is exact and has no interval.
 """
 
 from __future__ import annotations
@@ -46,10 +51,12 @@ def human_bytes(n: float | None) -> str:
 def make_record(*, mode, workload, shape, dtype, stats, nbytes, timing_mode="latency", kind="op",
                 reference_gbps=None, xla_bytes=None, impl="xla", policy=None, custom_calls=0,
                 sites=0, declined=0, rejected=0, batch=1, buffer_sets=1,
-                bytes_source="analytic") -> dict:
+                bytes_source="analytic", memory=None) -> dict:
     """One JSON record.  ``ratio_*`` and ``verdict`` are filled in by
-    ``attach_ratios`` once the group's xla record is known;
-    ``pct_of_roofline`` by ``set_roofline`` (and again at the end of the run)."""
+    ``attach_ratios`` once the group's xla record is known, ``temp_ratio`` by
+    ``attach_memory_ratios``; ``pct_of_roofline`` by ``set_roofline`` (and
+    again at the end of the run).  ``memory``: ``workloads.memory_stats`` of
+    the compiled program, or None (not reported, or no one program)."""
     g = gbps(nbytes, stats.median)
     pct = _ref.pct(g, reference_gbps)
     return {
@@ -80,6 +87,8 @@ def make_record(*, mode, workload, shape, dtype, stats, nbytes, timing_mode="lat
         "rejected_sites": int(rejected),
         "buffer_sets": int(buffer_sets),
         "same_program_as_xla": None,
+        "memory": dict(memory) if memory is not None else None,
+        "temp_ratio": None,
         "ratio_median": None,
         "ratio_ci": None,
         "verdict": None,
@@ -111,6 +120,46 @@ def attach_ratios(records: Sequence[dict]) -> None:
         if r["mode"] == "jaxfuse" and unf is not None and r.get("samples_s"):
             med, lo, hi = ratio_ci(unf["samples_s"], r["samples_s"])
             r["speedup_vs_unfused"], r["speedup_vs_unfused_ci"] = med, [lo, hi]
+
+
+def temp_bytes(r: dict) -> int | None:
+    """The compiled program's temp bytes of a record (None: not known)."""
+    return (r.get("memory") or {}).get("temp")
+
+
+def temp_ratio(own: int | None, xla: int | None) -> float | None:
+    """own / xla temp bytes.  Both 0 is 1.0: neither program needs a temp
+    buffer, so nothing was raised.  None where either is unknown, or where
+    xla's is 0 and own's is not: no ratio exists; the summary and the table
+    say "over xla's 0 B" instead."""
+    if own is None or xla is None:
+        return None
+    if xla == 0:
+        return 1.0 if own == 0 else None
+    return own / xla
+
+
+def _case_key(r: dict) -> tuple:
+    return (r["workload"], r["dtype"], tuple(r["shape"]))
+
+
+def _xla_temps(records: Iterable[dict]) -> dict[tuple, int]:
+    """(workload, dtype, shape) -> the xla record's temp bytes (any timing mode:
+    memory is the compiled program's, the same in both)."""
+    out: dict[tuple, int] = {}
+    for r in records:
+        if r["mode"] == "xla" and temp_bytes(r) is not None:
+            out.setdefault(_case_key(r), temp_bytes(r))
+    return out
+
+
+def attach_memory_ratios(records: Sequence[dict]) -> None:
+    """``temp_ratio`` of each jaxfuse-mode record: its temp bytes / those of the
+    xla record of the same (workload, dtype, shape), by the rules of ``temp_ratio``."""
+    xla = _xla_temps(records)
+    for r in records:
+        if r["mode"] in JAXFUSE_MODES:
+            r["temp_ratio"] = temp_ratio(temp_bytes(r), xla.get(_case_key(r)))
 
 
 # --------------------------------------------------------------- progress
@@ -218,17 +267,32 @@ def legend(reference: dict | None) -> str:
         "jaxfuse custom calls in the lowered program;",
         "         impl (=xla): compiled to the same program as xla (names and debug info aside): "
         "a difference is noise or dispatch",
+        "         temp = the compiled program's temp bytes as XLA reports them (memory_analysis: "
+        "deterministic, exact, no interval); temp/xla = that / xla's (1 when both are 0)",
     ])
 
 
 TABLE_HEAD = ("workload", "dtype", "shape", "bytes", "timing", "mode", "median us", "min us",
               "max us", "GB/s", "% roof", "t/xla", "95% CI", "verdict", "unf/jf", "impl",
-              "sites/calls")
+              "sites/calls", "temp", "temp/xla")
 _LEFT = {0, 1, 2, 4, 5, 13, 15}
+
+
+def _temp_ratio_cell(r: dict, xla_temp: int | None) -> str:
+    if r["mode"] not in JAXFUSE_MODES:
+        return ""
+    ratio = r.get("temp_ratio")
+    if ratio is not None:
+        return f"{ratio:.3f}"
+    own = temp_bytes(r)
+    if xla_temp == 0 and own:
+        return "> xla's 0 B"
+    return "-"
 
 
 def table_rows(records: Sequence[dict]) -> list[tuple]:
     rows = []
+    xla_temps = _xla_temps(records)
     for (wl, dt, shape), by_tm in _groups(records).items():
         for tm in [t for t in TIMING_MODES if t in by_tm] + [t for t in by_tm if t not in TIMING_MODES]:
             by_mode = by_tm[tm]
@@ -254,6 +318,7 @@ def table_rows(records: Sequence[dict]) -> list[tuple]:
                     f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "",
                     (r.get("verdict") or "") if mode in JAXFUSE_MODES else "",
                     _fmt(unf, ".2f", none=""), impl, sites,
+                    human_bytes(temp_bytes(r)), _temp_ratio_cell(r, xla_temps.get((wl, dt, shape))),
                 ))
     return rows
 
@@ -299,7 +364,8 @@ def verdict_counts(records: Sequence[dict]) -> dict[tuple, dict[str, list[dict]]
 def verdicts(records: Sequence[dict]) -> list[str]:
     """One line per (workload, dtype, jaxfuse mode, timing mode): how many cases
     BEAT, TIE with, LOSE to XLA by their intervals; then the op workloads'
-    speed-up over the unfused pair and a line on the model-level question."""
+    speed-up over the unfused pair, a line on the model-level question and one
+    on the model workloads' compiled temp bytes (``memory_summary``)."""
     lines = []
     counts = verdict_counts(records)
     for (wl, dt, mode, tm), by in counts.items():
@@ -365,7 +431,59 @@ def verdicts(records: Sequence[dict]) -> list[str]:
                      f"(noise): " + ", ".join(f"{r['workload']} {r['dtype']} [{r['timing_mode']}] "
                                              f"{r['ratio_median']:.3f}" for r in noise))
         lines.append(text + ".")
+    mem = memory_summary(records)
+    if mem:
+        lines.append(mem)
     return lines
+
+
+def memory_summary(records: Sequence[dict]) -> str | None:
+    """The model workloads' compiled temp bytes against XLA's, per jaxfuse mode:
+    in how many cases (workload, dtype, shape; memory does not depend on the
+    timing mode) they are more, the largest temp/xla and where.  None when no
+    model record has a memory figure."""
+    model = [r for r in records if r.get("kind") == "model"]
+    if not any(temp_bytes(r) is not None for r in model):
+        return None
+    xla = _xla_temps(model)
+    xla_rec = {_case_key(r): r for r in model if r["mode"] == "xla"}
+    parts = []
+    for mode in JAXFUSE_MODES:
+        cases: dict[tuple, dict] = {}
+        for r in model:
+            if r["mode"] == mode:
+                cases.setdefault(_case_key(r), r)
+        if not cases:
+            continue
+        policy = next(iter(cases.values())).get("policy")
+        label = f"{mode} ({policy})" if mode == "jaxfuse" and policy else mode
+        known = [(k, r) for k, r in cases.items() if temp_bytes(r) is not None and k in xla]
+        more = [(k, r) for k, r in known if temp_bytes(r) > xla[k]]
+        text = f"{label} more in {len(more)} of {len(known)}"
+        # Over xla's 0 B there is no ratio: those are listed, and "largest" is
+        # then only of the others.
+        from_zero = [(k, r) for k, r in more if xla[k] == 0]
+        if from_zero:
+            text += (f" ({len(from_zero)} over xla's 0 B: " + ", ".join(
+                f"{k[0]} {k[1]} {human_bytes(temp_bytes(r))}" for k, r in from_zero) + ")")
+        ratios = [(r["temp_ratio"], k) for k, r in known if r.get("temp_ratio") is not None]
+        if ratios:
+            top, (wl, dt, _) = max(ratios, key=lambda t: t[0])
+            text += (f", largest {'other ' if from_zero else ''}{top:.3f}x"
+                     + (f" at {wl} {dt}" if top > 1 else ""))
+        # The same function's arguments and results: any difference is worth a look.
+        io = [k for k, r in known if k in xla_rec and any(
+            (r.get("memory") or {}).get(f) != (xla_rec[k].get("memory") or {}).get(f)
+            for f in ("argument", "output"))]
+        if io:
+            text += (f", argument/output bytes differ from xla's in {len(io)}: "
+                     + ", ".join(f"{wl} {dt}" for wl, dt, _ in io))
+        if len(known) < len(cases):
+            text += f", not known in {len(cases) - len(known)}"
+        parts.append(text)
+    if not parts:
+        return None
+    return "model workloads, compiled temp bytes against XLA: " + "; ".join(parts) + "."
 
 
 def roofline_summary(records: Sequence[dict], reference: dict | None) -> list[str]:

@@ -1,5 +1,6 @@
 """What is timed: the modes, the op-level workloads, their inputs and byte counts,
-and how a program is inspected (fused sites, custom calls, XLA's byte count).
+and how a program is inspected (fused sites, custom calls, XLA's byte count,
+the compiled program's memory).
 
 Op-level modes (``add_relu``, ``bias_add_relu``)
 -------------------------------------------------
@@ -32,6 +33,14 @@ for the plain op); unfused = ``(4n + m) s`` (add reads a and b and writes the
 sum, relu reads it back and writes the result: 5 passes for the plain op).
 XLA's own ``cost_analysis()["bytes accessed"]`` is recorded beside it as
 ``xla_bytes``.
+
+Memory (as XLA reports it)
+--------------------------
+``Compiled.memory_analysis()`` of the very program that is timed: its temp
+(scratch buffers, intermediates included), argument, output and alias bytes,
+and the peak where the backend reports one (``memory_stats``).  They come from
+the compiler's buffer assignment, not from a measurement: deterministic for a
+program, so reported exactly.
 """
 
 from __future__ import annotations
@@ -197,6 +206,39 @@ def bytes_accessed(cost) -> float | None:
     return None
 
 
+# memory_stats keys -> CompiledMemoryStats attributes.  "peak" is absent from
+# some backends and versions; it is then None.
+MEMORY_FIELDS = {
+    "temp": "temp_size_in_bytes",
+    "argument": "argument_size_in_bytes",
+    "output": "output_size_in_bytes",
+    "alias": "alias_size_in_bytes",
+    "peak": "peak_memory_in_bytes",
+}
+
+
+def memory_stats(analysis) -> dict[str, int | None] | None:
+    """``{"temp", "argument", "output", "alias", "peak"}`` in bytes out of
+    ``Compiled.memory_analysis()``, whatever its shape: what it returns differs
+    by backend and version (an object with ``*_in_bytes`` attributes, a list of
+    one per program, None).  A field not reported (or negative) is None; None
+    when there is no temp figure at all, the one the comparisons need."""
+    if isinstance(analysis, (list, tuple)):
+        # One program per executable: more than one has no single figure.
+        analysis = analysis[0] if len(analysis) == 1 else None
+    if analysis is None:
+        return None
+    out: dict[str, int | None] = {}
+    for key, attr in MEMORY_FIELDS.items():
+        v = analysis.get(attr) if isinstance(analysis, dict) else getattr(analysis, attr, None)
+        try:
+            v = None if v is None else int(v)
+        except (TypeError, ValueError):
+            v = None
+        out[key] = v if v is not None and v >= 0 else None
+    return out if out["temp"] is not None else None
+
+
 @dataclass
 class Inspection:
     xla_bytes: float | None
@@ -206,6 +248,7 @@ class Inspection:
     rejected: int = 0  # other candidate sites the pass left alone
     impl: str = "xla"
     fingerprint: str | None = None  # of the compiled program, names and debug info aside
+    memory: dict[str, int | None] | None = None  # memory_stats of the compiled program
 
 
 _DEBUG_SECTIONS = {"FileNames", "FunctionNames", "FileLocations", "StackFrames"}
@@ -255,8 +298,8 @@ def impl_of(mode: str, custom_calls: int, sites: int, declined: int) -> str:
 
 def inspect(fn: Callable, *args, mode: str = "xla", policy: str | None = None,
             plain: Callable | None = None) -> Inspection:
-    """XLA's byte count for the jitted ``fn``, how many jaxfuse custom calls its
-    lowering holds and, for a jaxfuse mode, what ``jaxfuse.explain`` says of the
+    """XLA's byte count and memory (``memory_stats``) for the jitted ``fn``, how
+    many jaxfuse custom calls its lowering holds and, for a jaxfuse mode, what ``jaxfuse.explain`` says of the
     plain function ``plain`` under ``policy`` (fused / declined / rejected
     sites).  Lowering shares jit's cache, so timing ``fn`` later compiles nothing.
     Never raises: inspection must not sink a benchmark."""
@@ -277,14 +320,20 @@ def inspect(fn: Callable, *args, mode: str = "xla", policy: str | None = None,
         calls = count_custom_calls(lowered.as_text())
     except Exception:  # noqa: BLE001
         calls = 0
-    xb = fp = None
+    xb = fp = mem = compiled = None
     try:
         compiled = lowered.compile()
         xb = bytes_accessed(compiled.cost_analysis())
         fp = program_fingerprint(compiled.as_text())
     except Exception:  # noqa: BLE001
         pass
-    return Inspection(xb, calls, sites, declined, rejected, impl_of(mode, calls, sites, declined), fp)
+    if compiled is not None:
+        try:
+            mem = memory_stats(compiled.memory_analysis())
+        except Exception:  # noqa: BLE001
+            pass
+    return Inspection(xb, calls, sites, declined, rejected, impl_of(mode, calls, sites, declined), fp,
+                      mem)
 
 
 # ------------------------------------------------------------------- groups
@@ -366,6 +415,9 @@ def op_group(workload, size, dtype, modes, cache_bytes, *, seed=0, rotate=True) 
         if m == "unfused":
             i1, i2 = inspect(unfused_add, *args), inspect(unfused_relu, args[0])
             xb = None if i1.xla_bytes is None or i2.xla_bytes is None else i1.xla_bytes + i2.xla_bytes
+            # memory None: two executables have no one program's figures (the sum
+            # between them is one's output and the other's argument, not a temp),
+            # and adding them up would compare with nothing.
             group.inspections[m] = Inspection(xb, 0, 0)
         elif m == "xla":
             group.inspections[m] = inspect(xla_add_relu, *args)
