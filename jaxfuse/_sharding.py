@@ -114,14 +114,16 @@ PACING_ELEMENTS = 2048
 
 
 def pacing_value(operands):
-    """A small value XLA computes at run time from the first element of the
-    largest operand: passed to a CPU kernel that ignores it, its flops keep a
-    program of nothing but kernel calls off XLA:CPU's inline path (see
+    """A scalar XLA computes at run time from the first element of the largest
+    operand: passed to a CPU kernel that ignores it, its flops keep a program
+    of nothing but kernel calls off XLA:CPU's inline path (see
     `_lowering._paced`). Reading one element, it costs the same whatever the
-    operands' shapes."""
+    operands' shapes; a scalar (the sum of PACING_ELEMENTS products) rather
+    than the products themselves, so the buffer it holds is as small as a
+    value can be (XLA reports 256 bytes of temp for it, 8 KiB for the vector)."""
     src = max(operands, key=lambda x: x.size)
     first = jax.lax.reshape(jax.lax.slice(jax.lax.reshape(src, (src.size,)), (0,), (1,)), ())
-    return jax.lax.iota(src.dtype, PACING_ELEMENTS) * first
+    return jax.lax.reduce_sum(jax.lax.iota(src.dtype, PACING_ELEMENTS) * first, (0,))
 
 
 def local_call(target: str, n_results: int, attrs: tuple, inplace: int | None = None,

@@ -341,12 +341,30 @@ def choose(closed, patterns, autotuner: Autotuner | None = None, platform: str |
     return candidates[choice]
 
 
+# Temp bytes a candidate may hold beyond XLA's program: a paced kernel call's
+# scalar pacing value (jaxfuse/_sharding.py), which XLA reports as 256 bytes.
+_PACING_TEMP_BYTES = 256
+
+
+def _temp_bytes(compiled) -> int | None:
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - a backend that does not report memory
+        return None
+
+
 def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float) -> dict:
     """{candidate: [seconds per round]}; raises `_Overrun` when a run does not
-    end within `limit` seconds."""
+    end within `limit` seconds. A candidate whose compiled program holds more
+    temp bytes than XLA's own (beyond a pacing value's) is not timed: it is
+    never chosen, since optimize must not raise a program's memory."""
     with jax.ensure_compile_time_eval():
         args = _inputs(closed)
         compiled = {name: _compiled(v, args) for name, v in distinct.items()}
+    temps = {name: _temp_bytes(fn) for name, fn in compiled.items()}
+    if temps.get("xla") is not None:
+        compiled = {name: fn for name, fn in compiled.items() if name == "xla"
+                    or temps[name] is None or temps[name] <= temps["xla"] + _PACING_TEMP_BYTES}
     # Warm-up (allocation, first touch), waited for by polling: a program that
     # never ends on this data shows here, and a thread left blocked inside
     # jax's own wait would abort the process at exit.
