@@ -133,3 +133,15 @@ def test_an_mlp_step_keeps_its_saving(name):
     always = temp_bytes(jaxfuse.optimize(step, policy="always"), *args)
     assert always <= 0.75 * jit, (always, jit)
     assert np.isfinite(always)
+
+
+def test_explain_reports_the_compiled_bytes():
+    apply, params, x = PROGRAMS["linen_mlp"](jnp.float32)
+    step, opt_state = train_step(apply, params)
+    args = (params, opt_state, x, jnp.zeros(x.shape[0], jnp.int32))
+    report = jaxfuse.explain(step, *args, policy="always", memory=True)
+    assert report.memory["jit"]["temp"] == temp_bytes(jax.jit(step), *args)
+    assert report.memory["optimized"]["temp"] == temp_bytes(
+        jaxfuse.optimize(step, policy="always"), *args)
+    assert "compiled temp bytes:" in str(report) and "optimized (0." in str(report)
+    assert jaxfuse.explain(step, *args, policy="always").memory is None

@@ -206,7 +206,7 @@ def _same(held, fun) -> bool:
 
 # ------------------------------------------------------------------ explain
 def explain(fun: Callable, *args, policy: str | None = None, platform: str | None = None,
-            **kwargs) -> Report:
+            memory: bool = False, **kwargs) -> Report:
     """Which sites of `fun(*args, **kwargs)` `optimize` fuses, and why not the rest.
 
     Arguments may be arrays, Python scalars or `jax.ShapeDtypeStruct`s; other
@@ -217,7 +217,9 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
     ("auto" for a plain function); `platform` ("cpu", "cuda", "rocm", "tpu", or
     "gpu" for the GPU platform jax lowers for) is the one the cost decisions
     are made for (default: the arguments' devices, else the default backend,
-    as jit does).
+    as jit does). `memory=True` also compiles the program as traced and as
+    rewritten, for the default device, and reports the bytes XLA says each
+    holds (`report.memory`; a line of the printed report).
     """
     _check_callable(fun)
     info = _info(fun)
@@ -238,7 +240,17 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
         closed = jax.make_jaxpr(flat_fun)(*dynamic)
     _, report = rewrite(closed, pats, C.definition_site(fun), cost=_cost_model(policy, platform))
     report.platform = platform
+    if memory:
+        report.memory = {"jit": _compiled_memory(closed), "optimized": _compiled_memory(report.jaxpr)}
     return report
+
+
+def _compiled_memory(closed) -> dict:
+    """Bytes XLA reports for `closed` compiled for the default device."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+             for a in closed.in_avals]
+    stats = jax.jit(lambda *a: C.eval_closed(closed, *a)).lower(*avals).compile().memory_analysis()
+    return {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in ("temp", "argument", "output")}
 
 
 def _is_jitted(fun) -> bool:

@@ -9,6 +9,14 @@ from typing import Any
 from .. import _compat as C
 
 
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
 def _join(path: str, segment: str) -> str:
     return "/".join(p for p in (path, segment) if p)
 
@@ -119,6 +127,9 @@ class Report:
     """The policy the sites were decided with."""
     platform: str | None = None
     """The platform the cost decisions were made for (None: platform-independent)."""
+    memory: dict | None = None
+    """`explain(..., memory=True)`: the bytes XLA reports for the program as
+    traced ("jit") and as rewritten ("optimized"): temp, argument, output."""
 
     @property
     def fused(self) -> list[Site]:
@@ -156,6 +167,11 @@ class Report:
                       if self.skipped else "")
                    + f" (policy {self.policy!r}"
                    + (f", platform {self.platform})" if self.platform else ")"))
+        if self.memory:
+            jit, opt = self.memory["jit"]["temp"], self.memory["optimized"]["temp"]
+            ratio = f" ({opt / jit:.2f}x)" if jit else ""
+            summary += (f"\ncompiled temp bytes: {_human(jit)} with jax.jit, {_human(opt)} "
+                        f"optimized{ratio}")
         if not rows:
             return f"jaxfuse: no candidate sites ({summary})"
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
