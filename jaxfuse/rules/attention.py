@@ -1,0 +1,165 @@
+"""Hand-written attention to `jax.nn.dot_product_attention`, which runs cuDNN's
+fused flash attention on a GPU where it can (and XLA's own path elsewhere).
+
+    rules = jaxfuse.rules.attention.rules()          # every spelling whose library is installed
+    fast = jaxfuse.optimize(model.apply, patterns=rules)
+
+Each spelling is the library's own code for the attention core (called as the
+layer calls it, dropout off), so a match reproduces its equations exactly at
+the matched shapes (jaxfuse.rule re-traces and compares them):
+
+  flax_linen  flax.linen.dot_product_attention: q / sqrt(d) before the einsum,
+              masked with `jnp.where(mask, w, finfo.min)`
+  flax_nnx    flax.nnx.dot_product_attention with dropout set but deterministic
+              (with dropout 0 it already calls jax.nn.dot_product_attention)
+  haiku       hk.MultiHeadAttention's: the logits divided by sqrt(d), masked
+              with -1e30; declined for float16, where -1e30 is -inf and a fully
+              masked row is NaN while jax.nn's stays finite
+  equinox     eqx.nn.MultiheadAttention's: vmapped over heads (and over a batch,
+              as models call it), q / sqrt(d), softmax in float32
+
+The scale is the layer's own 1/sqrt(d), d the head size: a static shape, so a
+Python float. Masks are bool (a float mask means `mask != 0`, as `jnp.where`
+reads it). Values agree with the hand-written form within float32 rounding
+(tests/test_attention_rule.py); the gradient is jax.nn's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ..rewrite.rules import rule
+
+_B, _T, _N, _H = 2, 8, 4, 16  # example shapes the spellings are first traced at
+
+
+def _example(batch: bool = True):
+    shape = (_B, _T, _N, _H) if batch else (_T, _N, _H)
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _mask_example(batch: bool = True):
+    shape = (_B, _N, _T, _T) if batch else (_N, _T, _T)
+    return jax.ShapeDtypeStruct(shape, jnp.bool_)
+
+
+def _fused(q, k, v, mask=None):
+    """jax.nn.dot_product_attention on (..., T, N, H), any number of leading
+    batch dimensions (flattened into one), the layer's scale."""
+    lead = q.shape[:-3]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def four(x):
+        return x.reshape((math.prod(lead), *x.shape[-3:]))
+
+    if mask is not None:
+        mask = mask if mask.dtype == jnp.bool_ else mask != 0
+        mask = jnp.broadcast_to(mask, (*lead, q.shape[-2], q.shape[-3], k.shape[-3]))
+        mask = mask.reshape((math.prod(lead), *mask.shape[-3:]))
+    out = jax.nn.dot_product_attention(four(q), four(k), four(v), mask=mask, scale=scale)
+    return out.reshape(q.shape[:-1] + v.shape[-1:])
+
+
+def _same_dtypes(q, k, v, *rest):
+    return q.dtype == k.dtype == v.dtype and len(q.shape) >= 3
+
+
+# ------------------------------------------------------------------ spellings
+def _flax_linen():
+    from flax.linen import dot_product_attention
+
+    plain = lambda q, k, v: dot_product_attention(q, k, v)  # noqa: E731
+    masked = lambda q, k, v, mask: dot_product_attention(q, k, v, mask=mask)  # noqa: E731
+    return plain, masked
+
+
+def _flax_nnx():
+    from flax.nnx import dot_product_attention
+
+    kw = dict(dropout_rate=0.5, deterministic=True)  # the naive path, no dropout applied
+    plain = lambda q, k, v: dot_product_attention(q, k, v, **kw)  # noqa: E731
+    masked = lambda q, k, v, mask: dot_product_attention(q, k, v, mask=mask, **kw)  # noqa: E731
+    return plain, masked
+
+
+def _haiku_core(q, k, v, mask=None):
+    # hk.MultiHeadAttention.__call__, between the projections.
+    import numpy as np
+
+    logits = jnp.einsum("...thd,...Thd->...htT", q, k)
+    logits = logits / np.sqrt(k.shape[-1]).astype(k.dtype)
+    if mask is not None:
+        logits = jnp.where(mask, logits, -1e30)
+    weights = jax.nn.softmax(logits)
+    return jnp.einsum("...htT,...Thd->...thd", weights, v)
+
+
+def _haiku():
+    import haiku  # noqa: F401  (only so that the spelling ships with the library)
+
+    return (lambda q, k, v: _haiku_core(q, k, v),
+            lambda q, k, v, mask: _haiku_core(q, k, v, mask))
+
+
+def _equinox():
+    from equinox.nn._attention import dot_product_attention
+
+    one = functools.partial(dot_product_attention, dropout=None)
+    heads = jax.vmap(one, in_axes=1, out_axes=1)
+    # a (S, S) mask, the same for every head: eqx closes over it
+    heads_masked = lambda q, k, v, m: jax.vmap(  # noqa: E731
+        functools.partial(one, mask=m), in_axes=1, out_axes=1)(q, k, v)
+    return heads, heads_masked
+
+
+# library -> its (unmasked, masked) spellings
+_LIBRARIES = {"flax_linen": _flax_linen, "flax_nnx": _flax_nnx, "haiku": _haiku,
+              "equinox": _equinox}
+
+
+def _not_float16_masked(q, k, v, mask):
+    return _same_dtypes(q, k, v) and q.dtype != jnp.float16
+
+
+def rules(libraries=None) -> list:
+    """The attention rules for `libraries` (default: every one installed),
+    masked and unmasked; a library that is not installed is left out."""
+    out = []
+    for lib in libraries or _LIBRARIES:
+        try:
+            plain, masked = _LIBRARIES[lib]()
+        except ImportError:
+            continue
+        if lib == "equinox":
+            # as a layer is called on one example (S, H, D), and vmapped over a batch
+            batched, batched_masked = jax.vmap(plain), jax.vmap(masked, in_axes=(0, 0, 0, None))
+            square = jax.ShapeDtypeStruct((_T, _T), jnp.bool_)
+            spellings = [(plain, (_example(False),) * 3, None),
+                         (batched, (_example(),) * 3, None),
+                         (masked, (*(_example(False),) * 3, square), None),
+                         (batched_masked, (*(_example(),) * 3, square), None)]
+        else:
+            unmasked_where = _same_dtypes
+            masked_where = _not_float16_masked if lib == "haiku" else _same_dtypes
+            spellings = [(plain, (_example(),) * 3, unmasked_where),
+                         (masked, (*(_example(),) * 3, _mask_example()), masked_where)]
+        for k, (pattern, examples, where) in enumerate(spellings):
+            masked_form = len(examples) == 4
+            name = f"attention_{lib}" + ("_masked" if masked_form else "")
+            if lib == "equinox" and k in (1, 3):
+                name += "_batched"
+            fused = _equinox_fused if lib == "equinox" else _fused
+            replacement = ((lambda q, k, v, mask, f=fused: f(q, k, v, mask)) if masked_form
+                           else (lambda q, k, v, f=fused: f(q, k, v)))
+            out.append(rule(pattern, replacement, name=name, example_args=examples,
+                            where=where or _same_dtypes))
+    return out
+
+
+def _equinox_fused(q, k, v, mask=None):
+    """`_fused` for equinox's layouts: (..., S, H, D), an (S, S) mask for every head."""
+    return _fused(q, k, v, None if mask is None else mask[None])

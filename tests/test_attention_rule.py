@@ -1,0 +1,216 @@
+"""jaxfuse.rules.attention: hand-written attention in flax.linen, flax.nnx,
+dm-haiku and equinox layers becomes `jax.nn.dot_product_attention`, with
+values and gradients within float32 rounding of the layer's own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+from jaxfuse.rewrite.subjaxprs import all_eqns
+
+pytest.importorskip("flax", reason="needs the `models` extra (flax)")
+
+RULES = None
+
+
+def rules():
+    global RULES
+    if RULES is None:
+        import jaxfuse.rules
+        RULES = jaxfuse.rules.attention.rules()
+    return RULES
+
+
+def replaced(fun, *args) -> list[str]:
+    """Names of the attention rules that replaced a site in fun's program."""
+    names = {r.name for r in rules()}
+    closed = jax.make_jaxpr(jaxfuse.optimize(fun, patterns=rules()))(*args)
+    return sorted(e.params["name"] for e in all_eqns(closed) if e.params.get("name") in names)
+
+
+def close(got, want, tol=2e-5):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64),
+                                   rtol=tol, atol=tol)
+
+
+def check(fun, *args, grad_argnums=0):
+    opt = jaxfuse.optimize(fun, patterns=rules())
+    close(opt(*args), jax.jit(fun)(*args))
+    loss = lambda *a: jnp.sum(jnp.sin(fun(*a)))  # noqa: E731
+    close(jax.grad(jaxfuse.optimize(loss, patterns=rules()), argnums=grad_argnums)(*args),
+          jax.jit(jax.grad(loss, argnums=grad_argnums))(*args), tol=1e-4)
+
+
+def _x(rng, *shape, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def _causal(t):
+    return jnp.tril(jnp.ones((t, t), bool))
+
+
+# ------------------------------------------------------------------ flax.linen
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_flax_linen_multi_head_attention(rng, head_dim):
+    nn = pytest.importorskip("flax.linen")
+    m = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=2 * head_dim,
+                                        dropout_rate=0.0, deterministic=True)
+    x = _x(rng, 2, 6, 16)
+    params = m.init(jax.random.key(0), x, x)
+    f = lambda p, x: m.apply(p, x, x)  # noqa: E731
+    assert replaced(f, params, x) == ["attention_flax_linen"]
+    check(f, params, x)
+
+
+def test_flax_linen_with_a_mask_and_fully_masked_rows(rng):
+    nn = pytest.importorskip("flax.linen")
+    m = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32, dropout_rate=0.0,
+                                        deterministic=True)
+    x = _x(rng, 2, 6, 16)
+    params = m.init(jax.random.key(0), x, x)
+    mask = jnp.broadcast_to(_causal(6), (2, 1, 6, 6)).at[1, :, 2, :].set(False)  # a row all masked
+    f = lambda p, x, mask: m.apply(p, x, x, mask=mask)  # noqa: E731
+    assert replaced(f, params, x, mask) == ["attention_flax_linen_masked"]
+    check(f, params, x, mask)
+
+
+def test_flax_linen_under_scan_and_remat_one_match_per_layer(rng):
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            y = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16, dropout_rate=0.0,
+                                                deterministic=True)(x, x)
+            return x + y, None
+
+    class Encoder(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            layers = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                             split_rngs={"params": True}, length=3)
+            return layers()(x, None)[0]
+
+    m = Encoder()
+    x = _x(rng, 2, 5, 16)
+    params = m.init(jax.random.key(1), x)
+    assert replaced(m.apply, params, x) == ["attention_flax_linen"]  # one body, three layers
+    check(m.apply, params, x)
+
+
+def test_vmap_jit_and_idempotence(rng):
+    nn = pytest.importorskip("flax.linen")
+    m = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16, dropout_rate=0.0,
+                                        deterministic=True)
+    x = _x(rng, 3, 4, 5, 16)
+    params = m.init(jax.random.key(2), x[0], x[0])
+    f = lambda p, x: m.apply(p, x, x)  # noqa: E731
+    batched = jax.vmap(f, in_axes=(None, 0))
+    assert replaced(batched, params, x) == ["attention_flax_linen"]
+    close(jax.jit(jaxfuse.optimize(batched, patterns=rules()))(params, x), jax.jit(batched)(params, x))
+    close(jax.vmap(jaxfuse.optimize(f, patterns=rules()), in_axes=(None, 0))(params, x),
+          batched(params, x))
+    # The replacement's own body (jax.nn's XLA path) holds naive attention of
+    # its own spelling: rewriting the rewritten program changes nothing more.
+    once = jaxfuse.explain(jaxfuse.optimize(f, patterns=rules()), params, x[0]).jaxpr
+    from jaxfuse.rewrite import rewrite
+    twice, report = rewrite(once, rules())
+    assert not report.fused
+    assert str(twice) == str(once)
+
+
+# -------------------------------------------------------------------- flax.nnx
+def test_flax_nnx_naive_path_and_the_negative_cases(rng):
+    nnx = pytest.importorskip("flax.nnx")
+
+    def layer(**kw):
+        m = nnx.MultiHeadAttention(num_heads=2, in_features=16, qkv_features=16, decode=False,
+                                   rngs=nnx.Rngs(0), **kw)
+        graphdef, state = nnx.split(m)
+        return (lambda s, x: nnx.merge(graphdef, s)(x, deterministic=True)), state
+
+    x = _x(rng, 2, 5, 16)
+    f, state = layer(dropout_rate=0.1)  # deterministic: no dropout, the naive path
+    # (spelled exactly as linen spells it: whichever of the two rules comes first)
+    assert replaced(f, state, x) in (["attention_flax_linen"], ["attention_flax_nnx"])
+    check(f, state, x, grad_argnums=1)
+    f, state = layer(dropout_rate=0.0)  # nnx already calls jax.nn.dot_product_attention
+    assert replaced(f, state, x) == []
+
+    # Sown attention weights are read outside the attention: declined, unchanged.
+    m = nnx.MultiHeadAttention(num_heads=2, in_features=16, qkv_features=16, decode=False,
+                               dropout_rate=0.1, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(m)
+
+    def sown(s, x):
+        layer = nnx.merge(graphdef, s)
+        y = layer(x, deterministic=True, sow_weights=True)
+        return y, nnx.state(layer, nnx.Intermediate)
+
+    assert replaced(sown, state, x) == []
+    report = jaxfuse.explain(jaxfuse.optimize(sown, patterns=rules()), state, x)
+    assert report.sites and not report.fused
+    assert any("outside the fused region" in s.reason or "output of the jaxpr" in s.reason
+               for s in report), str(report)
+
+
+# ------------------------------------------------------------------- dm-haiku
+@pytest.mark.parametrize("masked", [False, True])
+def test_haiku_multi_head_attention(rng, masked):
+    hk = pytest.importorskip("haiku", reason="needs dm-haiku")
+
+    def net(x, mask):
+        return hk.MultiHeadAttention(num_heads=2, key_size=8, w_init=hk.initializers.VarianceScaling(1.0))(
+            x, x, x, mask=mask)
+
+    t = hk.without_apply_rng(hk.transform(net))
+    x = _x(rng, 2, 6, 16)
+    mask = jnp.broadcast_to(_causal(6), (2, 1, 6, 6)) if masked else None
+    params = t.init(jax.random.key(3), x, mask)
+    f = (lambda p, x, m: t.apply(p, x, m)) if masked else (lambda p, x: t.apply(p, x, None))
+    args = (params, x, mask) if masked else (params, x)
+    assert replaced(f, *args) == ["attention_haiku" + ("_masked" if masked else "")]
+    check(f, *args)
+
+
+def test_haiku_float16_masked_is_declined(rng):
+    hk = pytest.importorskip("haiku", reason="needs dm-haiku")
+
+    def net(x, mask):
+        return hk.MultiHeadAttention(num_heads=2, key_size=8,
+                                     w_init=hk.initializers.VarianceScaling(1.0))(x, x, x, mask=mask)
+
+    t = hk.without_apply_rng(hk.transform(net))
+    x = _x(rng, 2, 6, 16, dtype=jnp.float16)
+    mask = jnp.broadcast_to(_causal(6), (2, 1, 6, 6))
+    params = jax.tree.map(lambda p: p.astype(jnp.float16), t.init(jax.random.key(3), x, mask))
+    f = lambda p, x, m: t.apply(p, x, m)  # noqa: E731
+    report = jaxfuse.explain(jaxfuse.optimize(f, patterns=rules()), params, x, mask)
+    site = next(s for s in report if s.pattern == "attention_haiku_masked")
+    assert not site.fused and "`where` declined" in site.reason
+
+
+# -------------------------------------------------------------------- equinox
+@pytest.mark.parametrize("masked", [False, True])
+def test_equinox_multihead_attention_batched_and_not(rng, masked):
+    eqx = pytest.importorskip("equinox", reason="needs equinox")
+    m = eqx.nn.MultiheadAttention(num_heads=2, query_size=16, key=jax.random.key(4))
+    params, static = eqx.partition(m, eqx.is_array)
+    mask = _causal(5) if masked else None
+
+    def one(p, x):
+        return eqx.combine(p, static)(x, x, x, mask=mask)
+
+    batched = jax.vmap(one, in_axes=(None, 0))
+    x = _x(rng, 3, 5, 16)
+    suffix = "_masked" if masked else ""
+    assert replaced(one, params, x[0]) == [f"attention_equinox{suffix}"]
+    assert replaced(batched, params, x) == [f"attention_equinox{suffix}_batched"]
+    check(one, params, x[0])
+    check(batched, params, x)
