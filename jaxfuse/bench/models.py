@@ -40,6 +40,11 @@ Workloads (sizes per platform in ``SIZES``: ``quick`` / ``cpu`` / ``gpu``)
                       BatchNorm, ``FanOut``/``FanInSum`` residuals); input HWCN.
                       The final average pool covers the last feature map, so a
                       small image size works on a CPU.
+* ``linen_attention`` a flax.linen encoder block (LayerNorm, multi-head
+                      attention with heads of 64, MLP), forward; the jaxfuse
+                      modes add the attention rule (``jaxfuse.rules.attention``),
+                      which replaces flax's hand-written attention with
+                      ``jax.nn.dot_product_attention``.  Needs flax.
 
 A workload whose library is missing is skipped with a printed reason.
 
@@ -66,7 +71,7 @@ from . import workloads as W
 
 MODEL_WORKLOADS = ("relu_add", "scale_shift", "dense_relu", "mlp", "mlp_train_step", "flax_cnn",
                    "eqx_nchw_conv", "resnet_block", "stax_resnet50", "haiku_resnet_train",
-                   "linen_ffn_train", "eqx_mlp_train")
+                   "linen_ffn_train", "eqx_mlp_train", "linen_attention")
 
 SIZES: dict[str, dict[str, tuple]] = {
     "relu_add": {"quick": (1 << 20,), "cpu": (1 << 22,), "gpu": (1 << 26,)},
@@ -87,6 +92,8 @@ SIZES: dict[str, dict[str, tuple]] = {
     "haiku_resnet_train": {"quick": (8, 16, 16), "cpu": (16, 32, 32), "gpu": (64, 56, 64)},
     "linen_ffn_train": {"quick": (16, 32, 64), "cpu": (32, 64, 128), "gpu": (64, 256, 512)},
     "eqx_mlp_train": {"quick": (64, 64, 128), "cpu": (128, 128, 256), "gpu": (512, 512, 1024)},
+    # (batch, tokens, model width); heads of 64
+    "linen_attention": {"quick": (4, 64, 128), "cpu": (8, 256, 256), "gpu": (32, 1024, 1024)},
 }
 
 REQUIRES: dict[str, tuple[str, ...]] = {
@@ -96,6 +103,7 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "haiku_resnet_train": ("haiku", "optax"),
     "linen_ffn_train": ("flax", "optax"),
     "eqx_mlp_train": ("equinox", "optax"),
+    "linen_attention": ("flax",),
 }
 
 NUM_CLASSES = 10
@@ -125,6 +133,7 @@ class Spec:
     shape: tuple  # what the table shows
     carry: bool = False  # fn returns the next params (a training step)
     note: str = ""
+    rules: tuple = ()  # user rules (jaxfuse.rule) the jaxfuse modes add to the built-ins
 
 
 def _cast(tree, dtype):
@@ -412,6 +421,29 @@ def _linen_ffn_train(size, dtype, key):
                 carry=True, note="flax.linen: 2 x (LayerNorm, Dense 4d, relu, Dense, residual)")
 
 
+def _linen_attention(size, dtype, key):
+    import flax.linen as nn
+
+    import jaxfuse.rules
+
+    batch, tokens, dim = size
+
+    class Encoder(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.MultiHeadDotProductAttention(num_heads=dim // 64, dropout_rate=0.0,
+                                                deterministic=True)(nn.LayerNorm()(x))
+            x = x + h
+            return x + nn.Dense(dim)(jax.nn.relu(nn.Dense(4 * dim)(nn.LayerNorm()(x))))
+
+    model = Encoder()
+    params = _cast(model.init(key, jnp.zeros((1, tokens, dim), jnp.float32)), dtype)
+    return Spec(model.apply, params, (((batch, tokens, dim), "normal"),), (batch, tokens, dim),
+                note="flax.linen encoder block: LayerNorm, attention (head size 64), MLP; "
+                     "jaxfuse modes add the attention rule",
+                rules=tuple(jaxfuse.rules.attention.rules(["flax_linen"])))
+
+
 def _eqx_mlp_train(size, dtype, key):
     import equinox as eqx
     import optax
@@ -429,7 +461,7 @@ def _eqx_mlp_train(size, dtype, key):
 
 BUILDERS: dict[str, Callable] = {
     "haiku_resnet_train": _haiku_resnet_train, "linen_ffn_train": _linen_ffn_train,
-    "eqx_mlp_train": _eqx_mlp_train,
+    "eqx_mlp_train": _eqx_mlp_train, "linen_attention": _linen_attention,
     "relu_add": _relu_add, "scale_shift": _scale_shift, "dense_relu": _dense_relu, "mlp": _mlp,
     "mlp_train_step": _mlp_train_step, "flax_cnn": _flax_cnn, "eqx_nchw_conv": _eqx_nchw_conv,
     "resnet_block": _resnet_block, "stax_resnet50": _stax_resnet50,
@@ -489,7 +521,7 @@ def model_group(workload, size, dtype, modes, cache_bytes, *, seed=0, rotate=Tru
     fns = {}
     for m in modes:
         policy = W.policy_of(m, "model")
-        fns[m] = jax.jit(spec.fn) if policy is None else W.fuse(spec.fn, policy)
+        fns[m] = jax.jit(spec.fn) if policy is None else W.fuse(spec.fn, policy, spec.rules)
 
     def case(m):
         f = fns[m]
@@ -520,6 +552,7 @@ def model_group(workload, size, dtype, modes, cache_bytes, *, seed=0, rotate=Tru
     )
     for m in modes:
         policy = W.policy_of(m, "model")
+        # explain the optimized function itself: its patterns include the workload's rules
         group.inspections[m] = W.inspect(fns[m], params, *one, mode=m, policy=policy,
-                                         plain=spec.fn if policy else None)
+                                         plain=fns[m] if policy else None)
     return group

@@ -57,6 +57,7 @@ import numpy as np
 from jax import lax
 
 import jaxfuse
+from jaxfuse.rewrite import epilogues as _epilogues
 
 OP_MODES = ("unfused", "xla", "jaxfuse")
 MODEL_MODES = ("xla", "jaxfuse", "jaxfuse-always")
@@ -100,9 +101,14 @@ def add_relu_f(a, b):
     return relu(a + b)
 
 
-def fuse(f: Callable, policy: str = "always") -> Callable:
-    """A jaxfuse mode: the optimization pass applied to ``f``."""
-    return jaxfuse.optimize(f, policy=policy)
+def fuse(f: Callable, policy: str = "always", rules=()) -> Callable:
+    """A jaxfuse mode: the optimization pass applied to ``f``, with the
+    registered patterns and ``rules`` (user rules a workload asks for)."""
+    if not rules:
+        return jaxfuse.optimize(f, policy=policy)
+    from jaxfuse.rewrite import registered_patterns
+
+    return jaxfuse.optimize(f, policy=policy, patterns=[*registered_patterns(), *rules])
 
 
 # The two halves of the ``unfused`` mode: two executables, the sum materialized.
@@ -277,13 +283,18 @@ def program_fingerprint(hlo_text: str) -> str:
     return hashlib.sha256(t.encode()).hexdigest()
 
 
-def impl_of(mode: str, custom_calls: int, sites: int, declined: int) -> str:
+# The built-in patterns, whose sites become our custom calls.
+_BUILT_IN = frozenset(p.name for p in _epilogues.PATTERNS)
+
+
+def impl_of(mode: str, custom_calls: int, sites: int, declined: int, rule_sites: int = 0) -> str:
     """What a record's program really ran:
 
     * ``xla``        a plain XLA mode;
     * ``kernel``     at least one jaxfuse custom call in the lowered program;
     * ``fallback``   sites fused, but no custom call: the kernels are not
                      available (or disabled) and the fused op lowered to XLA's ops;
+    * ``rule``       only user rules (``jaxfuse.rule``) replaced sites: no custom call;
     * ``declined``   the cost model (``policy="auto"``) kept XLA's code at every site;
     * ``no-rewrite`` the pass found nothing to fuse: the program is XLA's own.
     """
@@ -291,8 +302,10 @@ def impl_of(mode: str, custom_calls: int, sites: int, declined: int) -> str:
         return "xla"
     if custom_calls > 0:
         return "kernel"
-    if sites > 0:
+    if sites > rule_sites:
         return "fallback"
+    if rule_sites:
+        return "rule"
     return "declined" if declined > 0 else "no-rewrite"
 
 
@@ -303,19 +316,22 @@ def inspect(fn: Callable, *args, mode: str = "xla", policy: str | None = None,
     plain function ``plain`` under ``policy`` (fused / declined / rejected
     sites).  Lowering shares jit's cache, so timing ``fn`` later compiles nothing.
     Never raises: inspection must not sink a benchmark."""
-    sites = declined = rejected = 0
+    sites = declined = rejected = rule_sites = 0
     if policy is not None and plain is not None:
         try:
             rep = jaxfuse.explain(plain, *args, policy=policy)
             sites, declined = len(rep.fused), len(rep.declined_for_cost)
             rejected = len(rep.rejected) - declined
+            # a user rule's replacement is no custom call of ours
+            rule_sites = sum(1 for s in rep.fused if s.pattern not in _BUILT_IN)
         except Exception:  # noqa: BLE001
             pass
     lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
     try:
         lowered = lowerable.lower(*args)
     except Exception:  # noqa: BLE001
-        return Inspection(None, 0, sites, declined, rejected, impl_of(mode, 0, sites, declined))
+        return Inspection(None, 0, sites, declined, rejected,
+                          impl_of(mode, 0, sites, declined, rule_sites))
     try:
         calls = count_custom_calls(lowered.as_text())
     except Exception:  # noqa: BLE001
@@ -332,7 +348,8 @@ def inspect(fn: Callable, *args, mode: str = "xla", policy: str | None = None,
             mem = memory_stats(compiled.memory_analysis())
         except Exception:  # noqa: BLE001
             pass
-    return Inspection(xb, calls, sites, declined, rejected, impl_of(mode, calls, sites, declined), fp,
+    return Inspection(xb, calls, sites, declined, rejected,
+                      impl_of(mode, calls, sites, declined, rule_sites), fp,
                       mem)
 
 
