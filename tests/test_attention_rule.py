@@ -214,3 +214,13 @@ def test_equinox_multihead_attention_batched_and_not(rng, masked):
     assert replaced(batched, params, x) == [f"attention_equinox{suffix}_batched"]
     check(one, params, x[0])
     check(batched, params, x)
+
+
+def test_flax_dot_product_attention_with_a_bias_and_a_mask(rng):
+    nn = pytest.importorskip("flax.linen")
+    q, k, v = (_x(rng, 2, 6, 3, 16) for _ in range(3))
+    bias = _x(rng, 2, 3, 6, 6)
+    mask = jnp.broadcast_to(_causal(6), (2, 1, 6, 6))
+    f = lambda q, k, v, bias, mask: nn.dot_product_attention(q, k, v, bias=bias, mask=mask)  # noqa: E731
+    assert replaced(f, q, k, v, bias, mask) == ["attention_flax_linen_bias_masked"]
+    check(f, q, k, v, bias, mask, grad_argnums=(0, 3))

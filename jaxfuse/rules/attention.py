@@ -5,7 +5,8 @@ fused flash attention on a GPU where it can (and XLA's own path elsewhere).
     fast = jaxfuse.optimize(model.apply, patterns=rules)
 
 Each spelling is the library's own code for the attention core (called as the
-layer calls it, dropout off), so a match reproduces its equations exactly at
+layer calls it, dropout off; flax's also with a bias and a mask together), so
+a match reproduces its equations exactly at
 the matched shapes (jaxfuse.rule re-traces and compares them):
 
   flax_linen  flax.linen.dot_product_attention: q / sqrt(d) before the einsum,
@@ -47,20 +48,23 @@ def _mask_example(batch: bool = True):
     return jax.ShapeDtypeStruct(shape, jnp.bool_)
 
 
-def _fused(q, k, v, mask=None):
+def _fused(q, k, v, mask=None, bias=None):
     """jax.nn.dot_product_attention on (..., T, N, H), any number of leading
-    batch dimensions (flattened into one), the layer's scale."""
+    batch dimensions (flattened into one), the layer's scale; mask and bias
+    broadcast to (..., N, T, S) as the layers broadcast them."""
     lead = q.shape[:-3]
     scale = 1.0 / math.sqrt(q.shape[-1])
+    logits = (*lead, q.shape[-2], q.shape[-3], k.shape[-3])
 
     def four(x):
         return x.reshape((math.prod(lead), *x.shape[-3:]))
 
     if mask is not None:
-        mask = mask if mask.dtype == jnp.bool_ else mask != 0
-        mask = jnp.broadcast_to(mask, (*lead, q.shape[-2], q.shape[-3], k.shape[-3]))
-        mask = mask.reshape((math.prod(lead), *mask.shape[-3:]))
-    out = jax.nn.dot_product_attention(four(q), four(k), four(v), mask=mask, scale=scale)
+        mask = four(jnp.broadcast_to(mask if mask.dtype == jnp.bool_ else mask != 0, logits))
+    if bias is not None:
+        bias = four(jnp.broadcast_to(bias, logits))
+    out = jax.nn.dot_product_attention(four(q), four(k), four(v), bias=bias, mask=mask,
+                                       scale=scale)
     return out.reshape(q.shape[:-1] + v.shape[-1:])
 
 
@@ -74,7 +78,9 @@ def _flax_linen():
 
     plain = lambda q, k, v: dot_product_attention(q, k, v)  # noqa: E731
     masked = lambda q, k, v, mask: dot_product_attention(q, k, v, mask=mask)  # noqa: E731
-    return plain, masked
+    biased = lambda q, k, v, mask, bias: dot_product_attention(  # noqa: E731
+        q, k, v, bias=bias, mask=mask)
+    return plain, masked, biased
 
 
 def _flax_nnx():
@@ -83,7 +89,9 @@ def _flax_nnx():
     kw = dict(dropout_rate=0.5, deterministic=True)  # the naive path, no dropout applied
     plain = lambda q, k, v: dot_product_attention(q, k, v, **kw)  # noqa: E731
     masked = lambda q, k, v, mask: dot_product_attention(q, k, v, mask=mask, **kw)  # noqa: E731
-    return plain, masked
+    biased = lambda q, k, v, mask, bias: dot_product_attention(  # noqa: E731
+        q, k, v, bias=bias, mask=mask, **kw)
+    return plain, masked, biased
 
 
 def _haiku_core(q, k, v, mask=None):
@@ -131,7 +139,7 @@ def rules(libraries=None) -> list:
     out = []
     for lib in libraries or _LIBRARIES:
         try:
-            plain, masked = _LIBRARIES[lib]()
+            plain, masked, *biased = _LIBRARIES[lib]()
         except ImportError:
             continue
         if lib == "equinox":
@@ -147,14 +155,20 @@ def rules(libraries=None) -> list:
             masked_where = _not_float16_masked if lib == "haiku" else _same_dtypes
             spellings = [(plain, (_example(),) * 3, unmasked_where),
                          (masked, (*(_example(),) * 3, _mask_example()), masked_where)]
+            logits = jax.ShapeDtypeStruct((_B, _N, _T, _T), jnp.float32)
+            spellings += [(p, (*(_example(),) * 3, _mask_example(), logits), _same_dtypes)
+                          for p in biased]
         for k, (pattern, examples, where) in enumerate(spellings):
-            masked_form = len(examples) == 4
-            name = f"attention_{lib}" + ("_masked" if masked_form else "")
+            form = {3: "", 4: "_masked", 5: "_bias_masked"}[len(examples)]
+            name = f"attention_{lib}{form}"
             if lib == "equinox" and k in (1, 3):
                 name += "_batched"
             fused = _equinox_fused if lib == "equinox" else _fused
-            replacement = ((lambda q, k, v, mask, f=fused: f(q, k, v, mask)) if masked_form
-                           else (lambda q, k, v, f=fused: f(q, k, v)))
+            replacement = {
+                3: lambda q, k, v, f=fused: f(q, k, v),
+                4: lambda q, k, v, mask, f=fused: f(q, k, v, mask),
+                5: lambda q, k, v, mask, bias: _fused(q, k, v, mask, bias),
+            }[len(examples)]
             out.append(rule(pattern, replacement, name=name, example_args=examples,
                             where=where or _same_dtypes))
     return out
