@@ -250,11 +250,15 @@ def test_flax_linen_mlp_every_gelu_dense_is_replaced(rng):
 
     m = MLP()
     x = _normal(rng, 4, 12)
-    params = m.init(jax.random.key(0), x)
+    _replaces_every_dense_gelu(m.apply, m.init(jax.random.key(0), x), x, 3)
+
+
+def _replaces_every_dense_gelu(apply, params, x, sites):
     r = jaxfuse.rule(dense_gelu, _counting_gelu(), name="rule_dense_gelu")
-    opt = jaxfuse.optimize(m.apply, patterns=[r])
-    assert calls_of(opt, params, x, name="rule_dense_gelu") == 3
-    assert_close(opt(params, x), jax.jit(m.apply)(params, x))
+    opt = jaxfuse.optimize(apply, patterns=[r])
+    assert calls_of(opt, params, x, name="rule_dense_gelu") == sites
+    assert_close(opt(params, x), jax.jit(apply)(params, x))
+    return r
 
 
 def test_haiku_linear_and_a_full_size_addend(rng):
@@ -262,10 +266,7 @@ def test_haiku_linear_and_a_full_size_addend(rng):
     net = hk.without_apply_rng(hk.transform(lambda x: jax.nn.gelu(hk.Linear(16)(x))))
     x = _normal(rng, 4, 8)
     params = net.init(jax.random.key(1), x)
-    r = jaxfuse.rule(dense_gelu, _counting_gelu(), name="rule_dense_gelu")
-    opt = jaxfuse.optimize(net.apply, patterns=[r])
-    assert calls_of(opt, params, x, name="rule_dense_gelu") == 1
-    assert_close(opt(params, x), jax.jit(net.apply)(params, x))
+    r = _replaces_every_dense_gelu(net.apply, params, x, 1)
     # a program adding a full-size y instead of a bias
     y = _normal(rng, 4, 16)
     w = params["linear"]["w"]
