@@ -23,8 +23,9 @@ and keeps the decision for the process.
 
 A program with effects (callbacks, prints) is not timed -- running it again
 would repeat them -- and gets the cost model's choice; so does one that closes
-over an enclosing trace's values, takes PRNG keys or has symbolic
-(shape-polymorphic) dimensions (no stand-in data for them), and one with a
+over an enclosing trace's values, takes PRNG keys, has symbolic
+(shape-polymorphic) dimensions or is sharded over a mesh of several devices
+(no stand-in data for them), and one with a
 `while` loop anywhere in it (its trip count depends on the data: on stand-in
 data it may never end). Each such fallback is recorded with its reason in
 `Autotuner.skipped`. Every run of a candidate is bounded in time besides
@@ -232,10 +233,21 @@ def _untimeable(closed) -> str | None:
     if any(not isinstance(d, (int, np.integer))
            for a in closed.in_avals for d in getattr(a, "shape", ())):
         return "it has symbolic dimensions (no stand-in data for them)"
+    if any(_mesh_size(getattr(a, "sharding", None)) > 1 for a in closed.in_avals):
+        return ("it is sharded over a mesh of several devices (stand-in data would need the "
+                "arguments' devices)")
     if any(eqn.primitive.name == "while" for eqn in subjaxprs.all_eqns(closed)):
         return ("it has a while loop, whose trip count depends on the data "
                 "(on stand-in data it may never end)")
     return None
+
+
+def _mesh_size(sharding) -> int:
+    mesh = getattr(sharding, "mesh", None)
+    try:
+        return int(getattr(mesh, "size", 1) or 1)
+    except (TypeError, ValueError):
+        return 1
 
 
 def _inputs(closed, seed: int = 0):

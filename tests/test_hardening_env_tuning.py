@@ -346,3 +346,19 @@ def test_a_warm_up_past_the_limit_falls_back(tmp_path, args, monkeypatch):
         assert len(t.skipped) == 1 and "warm-up" in t.skipped[0]
     finally:
         gate.set()
+
+
+def test_a_sharded_program_gets_the_cost_models_choice_and_the_reason(tmp_path):
+    # jax 0.10 carries explicit shardings on the avals; stand-in data made
+    # without the arguments' devices cannot be compiled for them.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    x = jax.device_put(jnp.ones((256, 64)), NamedSharding(mesh, P("data", "model")))
+    b = jax.device_put(jnp.ones(64), NamedSharding(mesh, P("model")))
+    t = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+    f = lambda x, b: jnp.sum(jax.nn.relu(x + b))  # noqa: E731
+    out = jaxfuse.optimize(f, policy="measure", autotuner=t)(x, b)
+    np.testing.assert_array_equal(out, jax.jit(f)(x, b))
+    assert t.timer.calls == []
+    assert [why for why in t.skipped if "sharded over a mesh" in why], t.skipped
