@@ -49,16 +49,13 @@ import math
 import numpy as np
 
 from .. import _compat as C
-from .cost import FUSIBLE  # what XLA fuses into the loop reading it
-from .graph import Graph
+from .cost import FUSIBLE, TRANSPARENT, body_of
+from .graph import Graph, output_index
 
 _WIDE = (np.dtype(np.float32), np.dtype(np.float64))
 # Ops through which a product stays a product, element by element.
 _SEE_THROUGH = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
                           "copy", "pvary", "neg", "reduce_precision"})
-# Calls XLA inlines into their caller.
-_INLINED = frozenset({*C.JIT_NAMES, "closed_call", "core_call", "custom_jvp_call",
-                      "custom_vjp_call", "custom_vjp_call_jaxpr", *C.CHECKPOINT_NAMES})
 
 
 def _is_one(d) -> bool:
@@ -110,28 +107,15 @@ def _producer(atom, graph: Graph, frames=()):
                 graph, frames = outer, frames[:-1]
                 continue
             return None, graph, frames
-        body = _inlined_body(eqn) if eqn.primitive.name in _INLINED else None
+        body, consts = body_of(eqn) if eqn.primitive.name in TRANSPARENT else (None, None)
         if body is None:
             return eqn, graph, frames
-        inner = graph.cached(("inlined body", id(body)), lambda b=body: Graph(b.jaxpr, b.consts))
-        out = inner.jaxpr.outvars[_index(eqn.outvars, atom)]
+        inner = graph.cached(("inlined body", id(body)), lambda: Graph(body, consts))
+        out = inner.jaxpr.outvars[output_index(eqn, atom)]
         if not C.is_var(out):
             return None, graph, frames
         atom, graph, frames = out, inner, (*frames, (graph, eqn))
     return None, graph, frames
-
-
-def _inlined_body(eqn):
-    closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-    if not isinstance(closed, C.ClosedJaxpr):
-        return None
-    if len(closed.jaxpr.invars) != len(eqn.invars) or len(closed.jaxpr.outvars) != len(eqn.outvars):
-        return None
-    return closed
-
-
-def _index(outvars, atom) -> int:
-    return next(k for k, v in enumerate(outvars) if v is atom)
 
 
 def product_of(atom, graph: Graph, frames=()) -> str | None:
@@ -145,7 +129,7 @@ def product_of(atom, graph: Graph, frames=()) -> str | None:
             return _from_caller(atom, graph) if not frames else None
         name = eqn.primitive.name
         if name in _SEE_THROUGH and len(eqn.invars) >= 1:
-            atom = eqn.invars[_index(eqn.outvars, atom) if name == "pvary" else 0]
+            atom = eqn.invars[output_index(eqn, atom) if name == "pvary" else 0]
             continue
         if name == "mul":
             ones = [k for k, v in enumerate(eqn.invars) if _all_ones(v, graph)]
@@ -172,17 +156,19 @@ def _from_caller(atom, graph: Graph) -> str | None:
     return feeds[list(graph.jaxpr.invars).index(atom)]
 
 
-def feeds(eqn, body, graph: Graph) -> tuple | None:
+def feeds(eqn, body, graph) -> tuple | None:
     """Per input of `body`, the product `eqn`'s caller computes for it, where
     XLA inlines the call (jit, custom_jvp/vjp, checkpoint) and so may fuse the
     caller's product into the body's loops; None for loop and branch bodies,
-    whose inputs XLA materializes."""
-    if eqn.primitive.name not in _INLINED:
+    whose inputs XLA materializes. `graph()`: the caller's Graph, built only
+    when asked for."""
+    if eqn.primitive.name not in TRANSPARENT:
         return None
     invars = getattr(getattr(body, "jaxpr", body), "invars", ())
     if len(invars) != len(eqn.invars):
         return None
-    found = tuple(product_of(a, graph) for a in eqn.invars)
+    caller = graph()
+    found = tuple(product_of(a, caller) for a in eqn.invars)
     return found if any(found) else None
 
 

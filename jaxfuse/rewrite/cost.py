@@ -72,9 +72,10 @@ FUSING_CONSUMERS = FUSIBLE | frozenset({
 # Views that move no data: a value read through them is the value itself.
 _VIEWS = frozenset({"reshape", "squeeze", "expand_dims"})
 _JAXFUSE = frozenset({"jaxfuse_add_relu", "jaxfuse_epilogue"})
-# Calls whose bodies XLA inlines: their boundary is transparent.
-_TRANSPARENT = frozenset({*C.JIT_NAMES, "closed_call", "core_call", "custom_jvp_call",
-                          "custom_vjp_call", "custom_vjp_call_jaxpr", *C.CHECKPOINT_NAMES})
+# Calls whose bodies XLA inlines: their boundary is transparent (to the cost
+# model and to the contraction checks alike).
+TRANSPARENT = frozenset({*C.JIT_NAMES, "closed_call", "core_call", "custom_jvp_call",
+                         "custom_vjp_call", "custom_vjp_call_jaxpr", *C.CHECKPOINT_NAMES})
 # An operand this much smaller than the output costs nothing to materialize.
 _SMALL = 16
 
@@ -203,7 +204,7 @@ class CostModel:
     def context_for(self, eqn, body, graph, outer=TOP) -> Context | None:
         name = eqn.primitive.name
         body_jaxpr = getattr(body, "jaxpr", body)
-        if name not in _TRANSPARENT or len(body_jaxpr.invars) != len(eqn.invars):
+        if name not in TRANSPARENT or len(body_jaxpr.invars) != len(eqn.invars):
             return Context((("input", None),) * len(body_jaxpr.invars),
                            (("loop",),) * len(body_jaxpr.outvars))
         inputs = tuple(producer_class(a, graph, outer) for a in eqn.invars)
@@ -270,8 +271,8 @@ def producer_class(atom, graph, context) -> tuple[str, str | None]:
         return "fused", name
     if name in FUSIBLE:
         return "fusible", name
-    if name in _TRANSPARENT:
-        body, consts = _body_of(eqn)
+    if name in TRANSPARENT:
+        body, consts = body_of(eqn)
         if body is not None:
             i = next(k for k, v in enumerate(eqn.outvars) if v is atom)
             inner = Context(tuple(producer_class(a, graph, context) for a in eqn.invars), ())
@@ -298,8 +299,8 @@ def materializing_readers(var, graph, context, skip=frozenset()) -> set:
             continue  # moves no data: what matters is who reads the view
         if name in FUSING_CONSUMERS:
             continue
-        if name in _TRANSPARENT:
-            body, consts = _body_of(eqn)
+        if name in TRANSPARENT:
+            body, consts = body_of(eqn)
             if body is not None:
                 inner = Context((("input", None),) * len(body.invars), tuple(
                     tuple(sorted(materializing_readers(o, graph, context))) for o in eqn.outvars))
@@ -313,7 +314,7 @@ def materializing_readers(var, graph, context, skip=frozenset()) -> set:
     return kinds
 
 
-def _body_of(eqn):
+def body_of(eqn):
     """(body Jaxpr, consts) of a transparent call whose invars are the call's operands."""
     closed = (eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
               or eqn.params.get("fun_jaxpr"))

@@ -124,7 +124,7 @@ class Graph:
         if eqn is None or eqn.effects or eqn.primitive.name not in _CONST_PRESERVING:
             return None
         # pvary takes several operands; its i-th result is its i-th operand
-        src = self.const_value(eqn.invars[_index(eqn.outvars, atom)])
+        src = self.const_value(eqn.invars[output_index(eqn, atom)])
         if src is None:
             return None
         return _CONST_PRESERVING[eqn.primitive.name](src, eqn.params)
@@ -136,8 +136,9 @@ def _cast(value: np.ndarray, dtype) -> np.ndarray:
         return value.astype(dtype)
 
 
-def _index(outvars, atom) -> int:
-    return next(i for i, v in enumerate(outvars) if v is atom)
+def output_index(eqn, atom) -> int:
+    """Which of `eqn`'s results `atom` is."""
+    return next(i for i, v in enumerate(eqn.outvars) if v is atom)
 
 
 # Reading a device array's value means a device-to-host copy; a zero worth

@@ -45,7 +45,7 @@ import numpy as np
 import jax
 
 from .. import _compat as C
-from .graph import Graph
+from .graph import Graph, output_index
 from .patterns import Match, Pattern
 
 # Steps that only change how a value is laid out or typed, not its elements.
@@ -156,7 +156,7 @@ class _Matcher:
             return
         if not self.exact and ge.primitive.name in _SHAPE_ONLY and len(ge.invars) == 1:
             yield from self.atom(p, ge.invars[0], state, depth + 1)
-        yield from self.eqn(pe, ge, _index(pe.outvars, p), _index(ge.outvars, g), state, depth)
+        yield from self.eqn(pe, ge, output_index(pe, p), output_index(ge, g), state, depth)
 
     def eqn(self, pe, ge, p_out, g_out, state, depth):
         if p_out != g_out or pe.primitive.name != ge.primitive.name:
@@ -202,9 +202,9 @@ class _Matcher:
         which produces the first one: (state, program output atoms)."""
         outs = list(self.t.jaxpr.outvars)
         first = self.producer[id(outs[0])]
-        for s in self.eqn(first, root, _index(first.outvars, outs[0]),
-                          _index(first.outvars, outs[0]), state, 0):
-            yield from self._rest(outs, 1, s, [root.outvars[_index(first.outvars, outs[0])]])
+        i = output_index(first, outs[0])
+        for s in self.eqn(first, root, i, i, state, 0):
+            yield from self._rest(outs, 1, s, [root.outvars[i]])
 
     def _rest(self, outs, k, state, found):
         if k == len(outs):
@@ -214,17 +214,13 @@ class _Matcher:
         pe = self.producer[id(p)]
         done = state.mapped.get(id(pe))
         if done is not None:
-            yield from self._rest(outs, k + 1, state, found + [done.outvars[_index(pe.outvars, p)]])
+            yield from self._rest(outs, k + 1, state, found + [done.outvars[output_index(pe, p)]])
             return
         for ge in self.graph.eqns:
             if ge.primitive.name == pe.primitive.name:
-                i = _index(pe.outvars, p)
+                i = output_index(pe, p)
                 for s in self.eqn(pe, ge, i, i, state, 0):
                     yield from self._rest(outs, k + 1, s, found + [ge.outvars[i]])
-
-
-def _index(outvars, atom) -> int:
-    return next(i for i, v in enumerate(outvars) if v is atom)
 
 
 def _same_constant(p_value, g_value, exact, p, g) -> bool:

@@ -85,7 +85,7 @@ class _Walk:
         def visit(b, seg, freeze):
             inner = self.cost.context_for(eqn, b, graph(), context) if self.cost is not None else None
             new, inner_sites, inner_skipped = self.body(b, freeze, inner, subjaxprs.carries(eqn, b),
-                                                        contraction.feeds(eqn, b, graph()))
+                                                        contraction.feeds(eqn, b, graph))
             sites.extend(s.rebased(seg, (eqn.source_info,)) for s in inner_sites)
             skipped.extend(k.rebased(seg, (eqn.source_info,)) for k in inner_skipped)
             return new
