@@ -59,27 +59,21 @@ def _host_has_fma() -> bool:
     return bool(getattr(umath, "__cpu_features__", {}).get("FMA3", True))
 
 
-def cpu_contracts(xla_flags: str | None = None, machine: str | None = None,
-                  host_fma: bool | None = None) -> bool:
-    """Whether XLA:CPU contracts a multiply into an add in this process: on
-    x86-64 where the ISA it targets (the host's, capped by
-    `--xla_cpu_max_isa` in XLA_FLAGS) has FMA. Elsewhere (AArch64 always has
-    fused multiply-add) it is assumed to, as on x86-64 with FMA."""
-    if xla_flags is None and machine is None and host_fma is None:
-        return _cpu_contracts_here()
-    machine = (machine if machine is not None else _platform.machine()).lower()
-    if machine not in ("x86_64", "amd64", "x86", "i686"):
+def cpu_contracts(xla_flags: str, machine: str, host_fma: bool) -> bool:
+    """Whether XLA:CPU contracts a multiply into an add, given XLA_FLAGS, the
+    machine and whether its CPU has FMA: on x86-64 where the ISA XLA targets
+    (the host's, capped by `--xla_cpu_max_isa`) has FMA. Elsewhere (AArch64
+    always has fused multiply-add) it is assumed to, as on x86-64 with FMA."""
+    if machine.lower() not in ("x86_64", "amd64", "x86", "i686"):
         return True
-    if _max_isa(os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags) \
-            in _ISAS_WITHOUT_FMA:
-        return False
-    return _host_has_fma() if host_fma is None else host_fma
+    return _max_isa(xla_flags) not in _ISAS_WITHOUT_FMA and host_fma
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_contracts_here() -> bool:
-    # XLA parses XLA_FLAGS once per process, when its first client is made;
-    # reading them once (at the first lowering, after that) follows it.
+def cpu_contracts_here() -> bool:
+    """`cpu_contracts` for this process. XLA parses XLA_FLAGS once per process,
+    when its first client is made; reading them once (at the first lowering,
+    after that) follows it."""
     return cpu_contracts(os.environ.get("XLA_FLAGS", ""), _platform.machine(), _host_has_fma())
 # Measured: XLA:GPU on an H200 (jax 0.11.2) gave float32 relu(x*s+t) the same
 # bits with and without a fusion barrier between mul and add: no contraction.
@@ -94,7 +88,7 @@ def rounding(platform: str, dtype) -> Rounding:
     if platform == "cpu":
         if dtype not in _WIDE:
             return _CPU_NARROW
-        return _CPU_WIDE if cpu_contracts() else _CPU_WIDE_NO_FMA
+        return _CPU_WIDE if cpu_contracts_here() else _CPU_WIDE_NO_FMA
     if platform == "cuda":
         return _CUDA_F32 if dtype == np.float32 else _CUDA_OTHER
     # Other platforms lower to XLA's own ops, which round as that platform does.
