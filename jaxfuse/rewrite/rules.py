@@ -139,8 +139,7 @@ class _Matcher:
             # the example shapes (a head dimension's square root); the exact
             # pass compares values.
             g_value = self.graph.const_value(g)
-            if g_value is not None and (not self.exact
-                                        or _same_constant(p_value, g_value, True, p, g)):
+            if g_value is not None and (not self.exact or _same_constant(p_value, g_value, p, g)):
                 yield state
             return
         if id(p) in self.invars:
@@ -223,10 +222,12 @@ class _Matcher:
                     yield from self._rest(outs, k + 1, s, found + [ge.outvars[i]])
 
 
-def _same_constant(p_value, g_value, exact, p, g) -> bool:
+def _same_constant(p_value, g_value, p, g) -> bool:
+    """The same type, and the same value element for element (a constant's
+    value may be held before its broadcast)."""
     p_value, g_value = np.asarray(p_value), np.asarray(g_value)
-    if exact and (np.dtype(p.aval.dtype) != np.dtype(g.aval.dtype)
-                  or tuple(p.aval.shape) != tuple(g.aval.shape)):
+    if (np.dtype(p.aval.dtype) != np.dtype(g.aval.dtype)
+            or tuple(p.aval.shape) != tuple(g.aval.shape)):
         return False
     try:
         shape = np.broadcast_shapes(p_value.shape, g_value.shape)
