@@ -111,6 +111,9 @@ def _partition_shardings(mesh, arg_shapes, out_shape, out_sharding):
 # Elements of the pacing value: its flops (one multiply each) must outweigh
 # XLA:CPU's inline threshold (1000) plus the -1 it counts per custom call.
 PACING_ELEMENTS = 2048
+# The temp bytes XLA:CPU reports for the pacing value (tests/test_pacing.py):
+# all a program that is one paced call holds beyond XLA's own.
+PACING_TEMP_BYTES = 256
 
 
 def pacing_value(operands):
@@ -120,7 +123,7 @@ def pacing_value(operands):
     `_lowering._paced`). Reading one element, it costs the same whatever the
     operands' shapes; a scalar (the sum of PACING_ELEMENTS products) rather
     than the products themselves, so the buffer it holds is as small as a
-    value can be (XLA reports 256 bytes of temp for it, 8 KiB for the vector)."""
+    value can be (PACING_TEMP_BYTES of temp, where the vector held 8 KiB)."""
     src = max(operands, key=lambda x: x.size)
     first = jax.lax.reshape(jax.lax.slice(jax.lax.reshape(src, (src.size,)), (0,), (1,)), ())
     return jax.lax.reduce_sum(jax.lax.iota(src.dtype, PACING_ELEMENTS) * first, (0,))

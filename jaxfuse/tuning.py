@@ -50,6 +50,7 @@ import numpy as np
 import jax
 
 from . import _compat as C
+from ._sharding import PACING_TEMP_BYTES
 
 VARIANTS = ("xla", "auto", "always")
 
@@ -353,11 +354,6 @@ def choose(closed, patterns, autotuner: Autotuner | None = None, platform: str |
     return candidates[choice]
 
 
-# Temp bytes a candidate may hold beyond XLA's program: a paced kernel call's
-# scalar pacing value (jaxfuse/_sharding.py), which XLA reports as 256 bytes.
-_PACING_TEMP_BYTES = 256
-
-
 def _temp_bytes(compiled) -> int | None:
     try:
         return int(compiled.memory_analysis().temp_size_in_bytes)
@@ -376,7 +372,7 @@ def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float)
     temps = {name: _temp_bytes(fn) for name, fn in compiled.items()}
     if temps.get("xla") is not None:
         compiled = {name: fn for name, fn in compiled.items() if name == "xla"
-                    or temps[name] is None or temps[name] <= temps["xla"] + _PACING_TEMP_BYTES}
+                    or temps[name] is None or temps[name] <= temps["xla"] + PACING_TEMP_BYTES}
     # Warm-up (allocation, first touch), waited for by polling: a program that
     # never ends on this data shows here, and a thread left blocked inside
     # jax's own wait would abort the process at exit.

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from jaxfuse import _lowering
+from jaxfuse import _lowering, _sharding
 from conftest import assert_bitwise_equal, load_bench_script, random_operand
 
 pytest.importorskip("jaxfuse._cpu_kernels", reason="jaxfuse built without its CPU extension")
@@ -64,8 +64,12 @@ def test_a_large_call_is_paced_and_its_values_do_not_change(rng, shape, b_shape,
     opt = jax.jit(jaxfuse.optimize(_relu_add, policy="always"))
     lowered = opt.lower(a, b)
     assert _operands_of_calls(lowered.as_text()) == [3]
-    # The program's estimate is over XLA:CPU's inline threshold.
-    assert _flops(lowered.compile()) >= 1000
+    # The program's estimate is over XLA:CPU's inline threshold, and all it
+    # holds beyond XLA's own program is the pacing value.
+    compiled = lowered.compile()
+    assert _flops(compiled) >= 1000
+    xla_temp = jax.jit(_relu_add).lower(a, b).compile().memory_analysis().temp_size_in_bytes
+    assert compiled.memory_analysis().temp_size_in_bytes <= xla_temp + _sharding.PACING_TEMP_BYTES
     assert_bitwise_equal(opt(a, b), jax.jit(_relu_add)(a, b))
 
 
