@@ -22,6 +22,7 @@ import sys
 import time
 from typing import IO, Iterable, Sequence
 
+from ..rewrite.report import human_bytes  # noqa: F401  (the table's, and explain's)
 from . import reference as _ref
 from .timing import TIMING_MODES, ratio_ci
 
@@ -34,18 +35,6 @@ def gbps(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
 
 
-def human_bytes(n: float | None) -> str:
-    """1536 -> '1.5 KiB'; binary units."""
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{int(n)} B"
-            return f"{n:.3g} {unit}" if n < 100 else f"{n:.0f} {unit}"
-        n /= 1024
-    return f"{n:.0f} TiB"  # pragma: no cover
 
 
 def make_record(*, mode, workload, shape, dtype, stats, nbytes, timing_mode="latency", kind="op",

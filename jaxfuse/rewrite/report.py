@@ -9,12 +9,18 @@ from typing import Any
 from .. import _compat as C
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+def human_bytes(n: float | None) -> str:
+    """1536 -> '1.5 KiB'; binary units."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:.3g} {unit}" if n < 100 else f"{n:.0f} {unit}"
         n /= 1024
-    return str(n)  # pragma: no cover
+    return f"{n:.0f} TiB"  # pragma: no cover
 
 
 def _join(path: str, segment: str) -> str:
@@ -170,8 +176,8 @@ class Report:
         if self.memory:
             jit, opt = self.memory["jit"]["temp"], self.memory["optimized"]["temp"]
             ratio = f" ({opt / jit:.2f}x)" if jit else ""
-            summary += (f"\ncompiled temp bytes: {_human(jit)} with jax.jit, {_human(opt)} "
-                        f"optimized{ratio}")
+            summary += (f"\ncompiled temp bytes: {human_bytes(jit)} with jax.jit, "
+                        f"{human_bytes(opt)} optimized{ratio}")
         if not rows:
             return f"jaxfuse: no candidate sites ({summary})"
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
