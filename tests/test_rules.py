@@ -274,8 +274,9 @@ def test_haiku_linear_and_a_full_size_addend(rng):
 
 
 def test_a_pallas_kernel_put_into_a_flax_model(rng):
-    # The README's example: a user's kernel (Pallas, interpreted on CPU) for a
-    # Dense layer's bias + gelu, in a model whose code is not edited.
+    # The example of docs/pass.md (the README shows it in short): a user's
+    # kernel (Pallas, interpreted on CPU) for a Dense layer's bias + gelu, in a
+    # model whose code is not edited.
     nn = pytest.importorskip("flax.linen", reason="needs the `models` extra (flax)")
     pl = pytest.importorskip("jax.experimental.pallas", reason="needs jax.experimental.pallas")
 
