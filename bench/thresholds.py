@@ -15,7 +15,27 @@ The threshold is the smallest power of two from which the kernel wins at every
 larger measured size in both modes: the upper end of the 95% bootstrap interval
 of the paired time ratio (jaxfuse / XLA) below 1.
 
+With `--forms`, the same search runs per pattern form, each inside a small
+convolutional program as a ResNet holds it: four blocks in a row, each a 3x3
+NHWC convolution (64 channels, `--channels`) that writes the site's `x`, the
+site, and another 3x3 convolution that reads its result; each block has its
+own weights and statistics. The forms are the cost model's (`cost.form_of`):
+
+  plain       relu(conv(x) + y)                       y full size
+  bias        relu(conv(x) + b)                       b per channel
+  scale_shift relu(conv(x) * s + t)                   2 per-channel operands
+  batchnorm   relu((conv(x) - m) * (g * rsqrt(v + eps)) + b)   haiku/flax eval BatchNorm
+  residual    relu((conv(x) - m) * (g * rsqrt(v + eps)) + b + y)  a ResNet block's end
+
+A form's threshold is the smallest size from which the fused program pays at
+every larger measured size: both timing modes' medians below 1 and neither
+interval wholly above 1 (the convolutions dilute the site's share, so a win
+is rarely outside the noise; a tie must not hide a loss). Only float32 is
+measured this way: XLA:CPU runs float16/bfloat16 convolutions in float32, and
+the cost model declines narrow sites beside them anyway.
+
 Usage: python bench/thresholds.py [--max-log2 22] [--reps 15] [--out FILE]
+       python bench/thresholds.py --forms plain,bias,batchnorm,residual [--min-log2 14]
 Run from outside the source tree (or with the package installed).
 """
 
@@ -55,6 +75,99 @@ def case(n: int, dtype, reps: int, mode: str):
     return timing.ratio_ci(res["jaxfuse"][0].samples, res["xla"][0].samples)
 
 
+FORMS = ("plain", "bias", "scale_shift", "batchnorm", "residual")
+CHANNELS = 64
+DEPTH = 4  # blocks in a row, as in a stage of a ResNet
+
+
+def _conv(x, w):
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def form_program(form: str, depth: int = DEPTH):
+    def program(x, w1, w2, m, v, g, b, y):
+        # Each block its own weights and statistics (stacked on a leading axis),
+        # so each BatchNorm computes its own per-channel factor, as in a model.
+        ws1, ws2, ms, vs, gs, bs = w1, w2, m, v, g, b
+        for i in range(depth):
+            w1, w2, m, v, g, b = (a[i] for a in (ws1, ws2, ms, vs, gs, bs))
+            h = _conv(x, w1)
+            if form == "plain":
+                z = h + y
+            elif form == "bias":
+                z = h + b
+            elif form == "scale_shift":
+                z = h * g + b
+            else:
+                z = (h - m) * (g * jax.lax.rsqrt(v + 1e-5)) + b
+                if form == "residual":
+                    z = z + y
+            x = _conv(jax.nn.relu(z), w2)
+        return x
+
+    return program
+
+
+def form_case(form: str, n: int, reps: int, mode: str):
+    positions = max(n // CHANNELS, 1)
+    side = 1 << ((positions.bit_length() - 1) // 2)
+    shape = (positions // (side * side), side, side, CHANNELS)
+    keys = jax.random.split(jax.random.key(n), 8)
+    c = CHANNELS
+    d = DEPTH
+    args = (jax.random.normal(keys[0], shape),
+            jax.random.normal(keys[1], (d, 3, 3, c, c)) / 24,
+            jax.random.normal(keys[2], (d, 3, 3, c, c)) / 24,
+            jax.random.normal(keys[3], (d, c)), jnp.abs(jax.random.normal(keys[4], (d, c))) + 0.5,
+            jax.random.normal(keys[5], (d, c)), jax.random.normal(keys[6], (d, c)),
+            jax.random.normal(keys[7], shape))
+    program = form_program(form)
+    xla = jax.jit(program)
+    jf = jaxfuse.optimize(program, policy="always")
+    sites = [s for s in jaxfuse.explain(program, *args, policy="always").sites if s.status == "fused"]
+    assert len(sites) == DEPTH, (form, [(s.pattern, s.status) for s in sites])
+    cases = {"xla": lambda i: xla(*args), "jaxfuse": lambda i: jf(*args)}
+    res = timing.measure_interleaved(cases, reps=reps, warmup=3, target_batch_s=5e-3,
+                                     block_each=(mode == "latency"))
+    return timing.ratio_ci(res["jaxfuse"][0].samples, res["xla"][0].samples), sites[0].pattern
+
+
+def _pays(lat, thr) -> bool:
+    return lat[0] < 1.0 and thr[0] < 1.0 and lat[1] <= 1.0 and thr[1] <= 1.0
+
+
+def forms_main(args) -> int:
+    global CHANNELS
+    CHANNELS = args.channels
+    dev = jax.devices()[0]
+    lines = [f"# bench/thresholds.py --forms on {dev.platform} ({dev.device_kind}), jax {jax.__version__}, "
+             f"python {platform.python_version()}, {datetime.date.today()}, {CHANNELS} channels, float32",
+             "# size: jaxfuse/xla time ratio of the whole conv program, median [95% CI], "
+             "latency mode | throughput mode"]
+    for form in args.forms.split(","):
+        pays = []
+        for k in range(args.min_log2, args.max_log2 + 1):
+            (lat, pattern), (thr, _) = (form_case(form, 1 << k, args.reps, m)
+                                        for m in ("latency", "throughput"))
+            pays.append((k, _pays(lat, thr)))
+            lines.append(f"{form:11s} 2^{k:<2d} ({pattern}): {lat[0]:.3f} [{lat[1]:.3f}, {lat[2]:.3f}] | "
+                         f"{thr[0]:.3f} [{thr[1]:.3f}, {thr[2]:.3f}]  {'pays' if pays[-1][1] else ''}")
+            print(lines[-1], file=sys.stderr, flush=True)
+        first = None
+        for k, ok in reversed(pays):
+            if not ok:
+                break
+            first = k
+        lines.append(f"{form}: min_elements = {None if first is None else 1 << first}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-log2", type=int, default=22)
@@ -62,7 +175,12 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=31)
     p.add_argument("--dtypes", default="float32,float64,bfloat16,float16")
     p.add_argument("--out", default=None)
+    p.add_argument("--channels", type=int, default=CHANNELS)
+    p.add_argument("--forms", default=None,
+                   help=f"comma-separated forms ({', '.join(FORMS)}): thresholds inside conv programs")
     args = p.parse_args(argv)
+    if args.forms:
+        return forms_main(args)
     dev = jax.devices()[0]
     lines = [f"# bench/thresholds.py on {dev.platform} ({dev.device_kind}), jax {jax.__version__}, "
              f"python {platform.python_version()}, {datetime.date.today()}",

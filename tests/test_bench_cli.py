@@ -380,6 +380,29 @@ def test_model_headline_counts_only_default_policy_losses():
     assert "mlp float32 [throughput] 1.200 [1.100, 1.300]" in line
 
 
+def test_auto_beside_always_line_counts_missed_wins():
+    def hand(mode, wl, ci, tm="latency"):
+        policy = {"jaxfuse": "auto", "jaxfuse-always": "always"}[mode]
+        r = _rec(mode, [1.0], wl=wl, kind="model", tm=tm, shape=(4, 8), policy=policy)
+        r["ratio_ci"], r["ratio_median"] = list(ci), sum(ci) / 2
+        return r
+
+    recs = [hand("jaxfuse", "resnet", (0.98, 1.04)), hand("jaxfuse-always", "resnet", (0.80, 0.90)),
+            hand("jaxfuse", "mlp", (0.97, 1.05)), hand("jaxfuse-always", "mlp", (1.10, 1.20)),
+            hand("jaxfuse", "cnn", (0.80, 0.90), "throughput"),
+            hand("jaxfuse-always", "cnn", (0.84, 0.90), "throughput"),
+            hand("jaxfuse", "lone", (0.9, 1.0))]  # no always record: no pair
+    line = report.auto_vs_always(recs)
+    assert "resnet float32 [latency] 1.010/0.850" in line and "lone" not in line
+    assert "always BEATS XLA and auto does not in 1 of 3 (resnet float32 [latency])" in line
+    # resnet: 1.01 > max(0.85, 1) + 0.03? no; nothing is that far behind
+    assert line.endswith("auto above max(always, 1) + 0.03 in 0.")
+    recs[0]["ratio_median"] = 1.04
+    assert report.auto_vs_always(recs).endswith("in 1 (resnet float32 [latency]).")
+    assert any(ln.startswith("model workloads, auto beside always") for ln in report.verdicts(recs))
+    assert report.auto_vs_always(recs[6:]) is None
+
+
 # ------------------------------------------------------------------ memory
 def _mem(temp, argument=64, output=32, alias=0, peak=None):
     return {"temp": temp, "argument": argument, "output": output, "alias": alias, "peak": peak}

@@ -7,6 +7,7 @@ timed: explain and the lowered text say what was decided.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -263,3 +264,73 @@ def test_optimize_rewrites_for_the_default_device_jit_uses(monkeypatch):
     g = lambda a, b: f(a, b)  # noqa: E731 - a new function: jit traces it afresh
     new = jax.make_jaxpr(jaxfuse.optimize(g))(*small)
     assert "add_relu" in str(new)
+
+
+# ------------------------------------------------ forms and conv-fed bands
+@pytest.mark.parametrize("pattern, sizes, n_out, form", [
+    ("add_relu", (4096, 4096), 4096, "plain"),
+    ("add_relu", (4096, 64), 4096, "bias"),
+    ("scale_shift_relu", (4096, 64, 64), 4096, "scale_shift"),
+    ("scale_shift_relu", (4096, 4096, 64), 4096, "plain"),  # a full-size scale: nothing to broadcast
+    ("bn_relu", (4096, 64, 64, 64), 4096, "batchnorm"),
+    ("norm_relu", (4096, 64, 64, 64, 64), 4096, "batchnorm"),
+    ("bn_residual_relu", (4096, 64, 64, 64, 4096), 4096, "residual"),
+    ("bias_residual_relu", (4096, 64, 4096), 4096, "residual"),
+    ("some_rule", (4096,), 4096, ""),
+])
+def test_form_of_a_site(pattern, sizes, n_out, form):
+    assert cost.form_of(pattern, sizes, n_out) == form
+
+
+def _haiku_bn(x, w, mean, var, scale, offset):
+    # hk.BatchNorm in inference mode, as haiku writes it
+    h = _conv(x, w, ("NHWC", "HWIO", "NHWC"))
+    inv = scale * lax.rsqrt(var + 1e-5)
+    return jax.nn.relu((h - mean) * inv + offset)
+
+
+def _bn_args(n, side, c):
+    return (sds((n, side, side, c)), sds((3, 3, c, c)), *(sds((1, 1, 1, c)),) * 4)
+
+
+BANDS = (cost.ConvBand("batchnorm", "float32", 1, 1 << 17, 1 << 22),
+         cost.ConvBand("batchnorm", "float32", 128, 1 << 14, 1 << 22))
+
+
+@pytest.fixture
+def cpu_bands(monkeypatch):
+    """The CPU facts with conv-fed bands installed (none ship yet: cost.py says why)."""
+    p = dataclasses.replace(cost.PLATFORMS["cpu"], conv_bands=BANDS, conv_source="a test's band")
+    monkeypatch.setitem(cost.PLATFORMS, "cpu", p)
+    return p
+
+
+def test_no_conv_band_ships_on_cpu_yet():
+    assert cost.PLATFORMS["cpu"].conv_bands == ()
+
+
+def test_the_band_for_the_widest_channels_reached(cpu_bands):
+    facts = lambda c: cost.SiteFacts("bn_relu", 0, "float32", (), (), "batchnorm", c)  # noqa: E731
+    assert cpu_bands.conv_band(facts(64)) is BANDS[0]
+    assert cpu_bands.conv_band(facts(512)) is BANDS[1]
+    assert cpu_bands.conv_band(dataclasses.replace(facts(512), form="residual")) is None
+
+
+def test_conv_fed_batchnorm_sites_follow_their_band(cpu_bands):
+    p = cpu_bands
+    band = BANDS[1]
+    c = 128
+    # inside the band: fused, with the facts the decision used
+    n = band.low // c // 16 * 2
+    site = one_site(jaxfuse.explain(_haiku_bn, *_bn_args(n, 4, c), platform="cpu"))
+    assert band.low <= site.cost.elements < band.high
+    assert site.fused and site.cost.form == "batchnorm" and site.cost.channels == c
+    # above it: declined, saying where the band came from
+    big = -(-band.high // (c * 16))
+    site = one_site(jaxfuse.explain(_haiku_bn, *_bn_args(big, 4, c), platform="cpu"))
+    assert site.declined_for_cost and "outside" in site.reason and p.conv_source in site.reason
+    # not fed by a convolution: the op thresholds apply, as before
+    plain = lambda x, m, v, s, t: jax.nn.relu((x - m) * (s * lax.rsqrt(v + 1e-5)) + t)  # noqa: E731
+    site = one_site(jaxfuse.explain(plain, sds((n, 4, 4, c)), *(sds((1, 1, 1, c)),) * 4,
+                                    platform="cpu"))
+    assert site.declined_for_cost and "below" in site.reason

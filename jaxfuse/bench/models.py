@@ -71,7 +71,7 @@ from . import workloads as W
 
 MODEL_WORKLOADS = ("relu_add", "scale_shift", "dense_relu", "mlp", "mlp_train_step", "flax_cnn",
                    "eqx_nchw_conv", "resnet_block", "stax_resnet50", "haiku_resnet_train",
-                   "linen_ffn_train", "eqx_mlp_train", "linen_attention")
+                   "haiku_resnet_eval", "haiku_resnet50_eval", "linen_ffn_train", "eqx_mlp_train", "linen_attention")
 
 SIZES: dict[str, dict[str, tuple]] = {
     "relu_add": {"quick": (1 << 20,), "cpu": (1 << 22,), "gpu": (1 << 26,)},
@@ -90,6 +90,9 @@ SIZES: dict[str, dict[str, tuple]] = {
     "stax_resnet50": {"quick": (2, 64), "cpu": (4, 64), "gpu": (32, 224)},
     # training steps of models built from the libraries' own layers: (batch, size, width)
     "haiku_resnet_train": {"quick": (8, 16, 16), "cpu": (16, 32, 32), "gpu": (64, 56, 64)},
+    "haiku_resnet_eval": {"quick": (8, 16, 16), "cpu": (16, 32, 32), "gpu": (64, 56, 64)},
+    # haiku's own ResNet-50 (hk.nets), inference: (batch, image size)
+    "haiku_resnet50_eval": {"quick": (2, 64), "cpu": (4, 96), "gpu": (32, 224)},
     "linen_ffn_train": {"quick": (16, 32, 64), "cpu": (32, 64, 128), "gpu": (64, 256, 512)},
     "eqx_mlp_train": {"quick": (64, 64, 128), "cpu": (128, 128, 256), "gpu": (512, 512, 1024)},
     # (batch, tokens, model width); heads of 64
@@ -101,6 +104,8 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "flax_cnn": ("flax",),
     "eqx_nchw_conv": ("equinox",),
     "haiku_resnet_train": ("haiku", "optax"),
+    "haiku_resnet_eval": ("haiku",),
+    "haiku_resnet50_eval": ("haiku",),
     "linen_ffn_train": ("flax", "optax"),
     "eqx_mlp_train": ("equinox", "optax"),
     "linen_attention": ("flax",),
@@ -366,22 +371,35 @@ def _xent(logits, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def _haiku_resnet_train(size, dtype, key):
+def _haiku_small_resnet(width):
     import haiku as hk
-    import optax
-
-    batch, image, width = size
 
     def net(x, is_training):
         bn = lambda: hk.BatchNorm(create_scale=True, create_offset=True, decay_rate=0.9)  # noqa: E731
         h = jax.nn.relu(bn()(hk.Conv2D(width, 3, with_bias=False)(x), is_training))
-        for _ in range(2):  # two residual blocks, BatchNorm in training mode
+        for _ in range(2):  # two residual blocks
             r = jax.nn.relu(bn()(hk.Conv2D(width, 3, with_bias=False)(h), is_training))
             r = bn()(hk.Conv2D(width, 3, with_bias=False)(r), is_training)
             h = jax.nn.relu(h + r)
         return hk.Linear(NUM_CLASSES)(h.mean(axis=(1, 2)))
 
-    t = hk.transform_with_state(net)
+    return hk.transform_with_state(net)
+
+
+def _running_stats(state, key):
+    """BatchNorm running statistics as after training (haiku starts them at 0)."""
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(tree, [
+        jnp.abs(0.1 * jax.random.normal(k, v.shape, jnp.float32) + 1.0).astype(v.dtype)
+        if getattr(v, "ndim", 0) else v for k, v in zip(keys, leaves)])
+
+
+def _haiku_resnet_train(size, dtype, key):
+    import optax
+
+    batch, image, width = size
+    t = _haiku_small_resnet(width)
     x0 = jnp.zeros((batch, image, image, 3), jnp.float32)
     params, bn_state = t.init(key, x0, True)
     params, bn_state = _cast(params, dtype), _cast(bn_state, dtype)
@@ -396,6 +414,30 @@ def _haiku_resnet_train(size, dtype, key):
                 (((batch, image, image, 3), "normal"), ((batch,), "labels")),
                 (batch, image, image, 3), carry=True,
                 note=f"dm-haiku: 2 residual blocks of Conv2D+BatchNorm (training mode), width {width}")
+
+
+def _haiku_resnet_eval(size, dtype, key):
+    batch, image, width = size
+    t = _haiku_small_resnet(width)
+    params, bn_state = t.init(key, jnp.zeros((batch, image, image, 3), jnp.float32), True)
+    state = _cast((params, _running_stats(bn_state, key)), dtype)
+    return Spec(lambda p, x: t.apply(p[0], p[1], None, x, False)[0], state,
+                (((batch, image, image, 3), "normal"),), (batch, image, image, 3),
+                note=f"dm-haiku: haiku_resnet_train's network in inference mode (BatchNorm on "
+                     f"running statistics), width {width}")
+
+
+def _haiku_resnet50_eval(size, dtype, key):
+    import haiku as hk
+
+    batch, image = size
+    t = hk.transform_with_state(lambda x, is_training: hk.nets.ResNet50(1000)(x, is_training))
+    params, bn_state = t.init(key, jnp.zeros((batch, image, image, 3), jnp.float32), True)
+    state = _cast((params, _running_stats(bn_state, key)), dtype)
+    return Spec(lambda p, x: t.apply(p[0], p[1], None, x, False)[0], state,
+                (((batch, image, image, 3), "normal"),), (batch, image, image, 3),
+                note=f"dm-haiku's hk.nets.ResNet50 in inference mode, batch {batch}, "
+                     f"{image}x{image}, NHWC")
 
 
 def _linen_ffn_train(size, dtype, key):
@@ -460,7 +502,8 @@ def _eqx_mlp_train(size, dtype, key):
 
 
 BUILDERS: dict[str, Callable] = {
-    "haiku_resnet_train": _haiku_resnet_train, "linen_ffn_train": _linen_ffn_train,
+    "haiku_resnet_train": _haiku_resnet_train, "haiku_resnet_eval": _haiku_resnet_eval,
+    "haiku_resnet50_eval": _haiku_resnet50_eval, "linen_ffn_train": _linen_ffn_train,
     "eqx_mlp_train": _eqx_mlp_train, "linen_attention": _linen_attention,
     "relu_add": _relu_add, "scale_shift": _scale_shift, "dense_relu": _dense_relu, "mlp": _mlp,
     "mlp_train_step": _mlp_train_step, "flax_cnn": _flax_cnn, "eqx_nchw_conv": _eqx_nchw_conv,

@@ -394,6 +394,9 @@ def verdicts(records: Sequence[dict]) -> list[str]:
         lines.append(f"{wl} [{tm}]: jaxfuse against the unfused pair: faster in {faster}, slower "
                      f"in {slower}, indistinguishable in {len(rs) - faster - slower} of {len(rs)} "
                      f"(95% CI); median speed-up {med:.2f}x.")
+    gain = auto_vs_always(records)
+    if gain:
+        lines.append(gain)
     # The model-level question: is the default policy ever slower than XLA?
     auto = [r for r in records if r.get("kind") == "model" and r["mode"] == "jaxfuse"
             and r.get("ratio_ci")]
@@ -424,6 +427,42 @@ def verdicts(records: Sequence[dict]) -> list[str]:
     if mem:
         lines.append(mem)
     return lines
+
+
+AUTO_SLACK = 0.03
+"""How far above the better of jit and `always` `auto` may read before the
+summary flags it: within noise of the best choice the run saw."""
+
+
+def auto_vs_always(records: Sequence[dict]) -> str | None:
+    """Does the default find the wins `always` finds?  Per model case
+    (workload, dtype, shape, timing mode), `auto`'s median t/xla beside
+    `always`'s; counts the cases where `always` BEATS XLA and `auto` does not,
+    and those where `auto` reads above max(always, 1) + AUTO_SLACK.  None
+    when the run has no model case with both modes."""
+    by: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        if r.get("kind") == "model" and r["mode"] in JAXFUSE_MODES and r.get("ratio_ci"):
+            by.setdefault((*_case_key(r), r.get("timing_mode", "latency")), {})[r["mode"]] = r
+    pairs = {k: v for k, v in by.items() if len(v) == 2}
+    if not pairs:
+        return None
+    missed, behind, cells = [], [], []
+    for (wl, dt, _shape, tm), v in pairs.items():
+        auto, always = v["jaxfuse"]["ratio_median"], v["jaxfuse-always"]["ratio_median"]
+        name = f"{wl} {dt} [{tm}]"
+        cells.append(f"{name} {auto:.3f}/{always:.3f}")
+        if classify(*v["jaxfuse-always"]["ratio_ci"]) == BEATS and \
+                classify(*v["jaxfuse"]["ratio_ci"]) != BEATS:
+            missed.append(name)
+        if auto > max(always, 1.0) + AUTO_SLACK:
+            behind.append(name)
+    text = (f"model workloads, auto beside always (median t/xla, auto/always): {'; '.join(cells)}. "
+            f"always BEATS XLA and auto does not in {len(missed)} of {len(pairs)}"
+            + (f" ({', '.join(missed)})" if missed else "")
+            + f"; auto above max(always, 1) + {AUTO_SLACK} in {len(behind)}"
+            + (f" ({', '.join(behind)})" if behind else ""))
+    return text + "."
 
 
 def memory_summary(records: Sequence[dict]) -> str | None:

@@ -94,6 +94,11 @@ class SiteFacts:
     fusible op's result that another reader keeps in memory), "small" or "other"."""
     consumers: tuple
     """Kinds of readers that keep the result in memory anyway ("output", "dot", ...)."""
+    form: str = ""
+    """What the kernel reads (`form_of`): "plain", "bias", "scale_shift",
+    "batchnorm" or "residual"; "" for a pattern that is none of them."""
+    channels: int = 0
+    """Elements of the widest per-channel operand (0: none)."""
 
     def __str__(self):
         return f"{self.pattern}[{self.elements} x {self.dtype}]"
@@ -115,8 +120,41 @@ class PlatformFacts:
     narrow_matmuls_in_f32: bool = False
     """float16/bfloat16 matmuls and convolutions run in float32, with the
     conversions folded into the elementwise loops around them."""
+    conv_bands: tuple = ()
+    """`ConvBand`s: where the kernel pays for a site a convolution feeds (a
+    conv net's epilogue). Forms and dtypes without a band use `min_elements`."""
+    conv_source: str = ""
+
+    def conv_band(self, facts: "SiteFacts"):
+        """The band for a conv-fed site: of those for its form and dtype, the one
+        for the widest channel count it reaches (None: no band for the form)."""
+        fits = [b for b in self.conv_bands if (b.form, b.dtype) == (facts.form, facts.dtype)
+                and b.min_channels <= facts.channels]
+        return max(fits, key=lambda b: b.min_channels, default=None)
 
 
+@dataclasses.dataclass(frozen=True)
+class ConvBand:
+    """A site of `form` and `dtype` fed by a convolution, with per-channel
+    operands of at least `min_channels` elements, pays for output sizes in
+    [low, high)."""
+
+    form: str
+    dtype: str
+    min_channels: int
+    low: int
+    high: int
+
+
+# Conv-fed BatchNorm epilogues (ConvBand; bench/results/thresholds-forms-cpu-2026-12-02.txt):
+# inside a conv net these forms pay at far smaller sizes than the op thresholds
+# below say: hk.nets.ResNet50 in inference mode (4x96x96, 8x160x160) with every
+# such site from 2^14 to 2^22 elements fused read 0.87-0.91x jit. But the same
+# band made haiku_resnet_eval (two residual blocks ending in a mean) 1.7x
+# slower: there XLA:CPU's YNNPACK fusion absorbs the whole chain of
+# convolutions, BatchNorms and the mean into one subgraph, and a custom call
+# splits it. No band ships until the cost model can tell when XLA does that.
+#
 # Thresholds: `python bench/thresholds.py` measures the smallest size from which
 # the kernel beats XLA's own fusion of the site inside a program, at every
 # larger size, in both timing modes (paired 95% intervals). Each value is the
@@ -136,6 +174,7 @@ PLATFORMS = {
         # BatchNorm+ReLU loop, which writes float32 for the next conv. A custom
         # call needs the bfloat16 value written, then converted again: 1.03-1.04x
         # XLA's time in the benchmark's resnet_block and training steps.
+        # No conv-fed bands yet: see the comment on ConvBand's measurements above.
         narrow_matmuls_in_f32=True),
     # Measured on an H200 (jax 0.11.2, at 76b89bd): the CUDA add+ReLU kernel took
     # 0.98-1.09x XLA's time for float32/bfloat16 at 2^24..2^28 (ahead only for
@@ -240,14 +279,41 @@ class CostModel:
             return (f"the result is only read by ops XLA fuses into the same loop ({used_by}); "
                     f"a custom call writes it out and reads it back "
                     f"(+{_mib(2 * n_out * itemsize)})"), None
-        facts = SiteFacts(m.info.get("family").name if "family" in m.info else "site",
-                          str(n_out) if _symbolic(n_out) else n_out,
+        pattern = m.info["family"].name if "family" in m.info else "site"
+        facts = SiteFacts(pattern, str(n_out) if _symbolic(n_out) else n_out,
                           np.dtype(out.aval.dtype).name, tuple(producers),
-                          tuple(sorted(readers)))
+                          tuple(sorted(readers)),
+                          *_form_and_channels(pattern, [_size(a) for a in m.operands], n_out))
         # Known platform: decline here, so the site keeps XLA's own program
         # exactly (a site declined only at lowering gets XLA's ops, but in the
         # rewrite's arrangement: inlined calls, moved derivative masks).
         return (platform_reason(facts, self.platform) if self.platform else None), facts
+
+
+_FORMS = {"add_relu": "plain", "scale_shift_relu": "scale_shift", "bn_relu": "batchnorm",
+          "norm_relu": "batchnorm", "bn_residual_relu": "residual",
+          "norm_residual_relu": "residual", "scale_shift_residual_relu": "residual",
+          "bias_residual_relu": "residual"}
+
+
+def form_of(pattern: str, operand_sizes, n_out) -> str:
+    """The site's form, as the thresholds are measured per form: what the
+    kernel reads besides `x`. `add_relu` with a per-channel operand (at most
+    1/16 of the output) is "bias"; an epilogue whose scale, shift or mean is
+    full size reads like "plain" (no per-channel operand to broadcast)."""
+    return _form_and_channels(pattern, operand_sizes, n_out)[0]
+
+
+def _form_and_channels(pattern, operand_sizes, n_out) -> tuple[str, int]:
+    form = _FORMS.get(pattern, "")
+    if not form or _symbolic(n_out):
+        return form, 0
+    small = [n for n in operand_sizes[1:] if not _symbolic(n) and n * _SMALL <= n_out]
+    channels = max(small, default=0)
+    if pattern == "add_relu":
+        return ("bias" if small else "plain"), channels
+    per_channel = operand_sizes[1:-1] if form == "residual" else operand_sizes[1:]
+    return (form if len(small) >= len(per_channel) else "plain"), channels
 
 
 def producer_class(atom, graph, context) -> tuple[str, str | None]:
@@ -378,6 +444,13 @@ def platform_reason(facts: SiteFacts | None, platform: str) -> str | None:
         # threshold a call is paced (_lowering._paced); one of symbolic size is not.
         return (f"{facts.elements} elements: symbolic, the cost model cannot tell whether "
                 f"a custom call pays on {platform}")
+    band = p.conv_band(facts) if "conv" in facts.producers else None
+    if band is not None:
+        if not band.low <= facts.elements < band.high:
+            return (f"{facts.elements} elements: outside {band.low}..{band.high}, where the "
+                    f"kernel beat XLA's loop for a {facts.form} epilogue of {facts.channels} "
+                    f"channels after a convolution on {platform} (measured: {p.conv_source})")
+        return None
     smallest = p.min_elements.get(facts.dtype)
     if smallest is not None and facts.elements < smallest:
         return (f"{facts.elements} elements: below {smallest}, the cost of a custom call on "
