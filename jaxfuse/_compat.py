@@ -117,6 +117,12 @@ def jit_key_flag(name: str, default: bool, help: str):
             os.environ[env_name] = hidden
 
 
+def with_name_scope(ctx, name: str):
+    """A lowering rule context whose ops are named under `name` as well (the
+    `op_name` of their HLO metadata), as `jax.named_scope` names traced ops."""
+    return ctx.replace(name_stack=ctx.name_stack.extend(name))
+
+
 def new_eqn(invars, outvars, primitive, params, *, like: JaxprEqn, effects=None):
     """A fresh equation carrying `like`'s source info and context."""
     return _xcore.new_jaxpr_eqn(

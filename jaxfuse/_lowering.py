@@ -27,6 +27,14 @@ DISABLE_KERNELS = C.jit_key_flag(
     "Lower jaxfuse's fused ops to XLA's own ops instead of jaxfuse's kernels "
     "(default from JAXFUSE_DISABLE_KERNELS).")
 
+# Set only while probe.py compiles a rewritten program: sites numbered for the
+# probe lower to XLA's own ops, named so their ops can be found in XLA's fusions.
+PROBING = C.jit_key_flag(
+    "jaxfuse_probing", False,
+    "Internal: lower probed sites to XLA's own ops under a name the probe finds.")
+
+PROBE_SCOPE = "jaxfuse_probe"
+
 _warned: set[str] = set()
 
 # Collapsed broadcast ranks the CUDA kernels take (csrc/*_cuda.cu); beyond
@@ -113,6 +121,9 @@ def _paced(platform: str, avals_in, avals_out) -> bool:
 
 def _kernel_lowering(platform: str, target: str, reference, attrs_of):
     def lower(ctx, *args, **params):
+        facts = params.get("cost")
+        if PROBING.value and facts is not None and facts.probe >= 0:
+            return reference(C.with_name_scope(ctx, f"{PROBE_SCOPE}{facts.probe}"), *args, **params)
         why = _why_not_kernel(ctx, platform, target)
         if why is not None:
             if why != "kernels disabled":
@@ -120,7 +131,7 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
             return reference(ctx, *args, **params)
         if not _fits_device(ctx, platform, target):
             return reference(ctx, *args, **params)
-        if _cost.platform_reason(params.get("cost"), platform) is not None:
+        if _cost.platform_reason(facts, platform) is not None:
             # The pass recorded this site; on this platform XLA's own fusion of it wins.
             return reference(ctx, *args, **params)
         attrs = attrs_of(ctx, platform, **params)

@@ -308,11 +308,11 @@ def _within(limit_s: float, what: str, fn: Callable[[], object]):
 def choose(closed, patterns, autotuner: Autotuner | None = None, platform: str | None = None):
     """The fastest of the candidate programs for `closed` (a ClosedJaxpr);
     `platform`: the one the "auto" candidate's cost model decides for."""
-    from .rewrite import cost
+    from .rewrite.api import rewrite_for
     from .rewrite.walker import rewrite
 
     tuner = autotuner or DEFAULT
-    auto = rewrite(closed, patterns, cost=cost.CostModel(platform))[0]
+    auto = rewrite_for(closed, patterns, "auto", platform)[0]
     why = _untimeable(closed)
     if why is not None:
         tuner.skipped.append(why)

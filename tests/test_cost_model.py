@@ -299,14 +299,17 @@ BANDS = (cost.ConvBand("batchnorm", "float32", 1, 1 << 17, 1 << 22),
 
 @pytest.fixture
 def cpu_bands(monkeypatch):
-    """The CPU facts with conv-fed bands installed (none ship yet: cost.py says why)."""
+    """The CPU facts with these bands, so the tests state the rule, not the measurement."""
     p = dataclasses.replace(cost.PLATFORMS["cpu"], conv_bands=BANDS, conv_source="a test's band")
     monkeypatch.setitem(cost.PLATFORMS, "cpu", p)
     return p
 
 
-def test_no_conv_band_ships_on_cpu_yet():
-    assert cost.PLATFORMS["cpu"].conv_bands == ()
+def test_cpu_bands_cover_batchnorm_epilogues_in_float32_only():
+    bands = cost.PLATFORMS["cpu"].conv_bands
+    assert {b.form for b in bands} == {"scale_shift", "batchnorm", "residual"}
+    assert {b.dtype for b in bands} == {"float32"}  # narrow types: see narrow_matmuls_in_f32
+    assert all(b.low < b.high for b in bands)
 
 
 def test_the_band_for_the_widest_channels_reached(cpu_bands):

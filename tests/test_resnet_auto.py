@@ -1,14 +1,17 @@
-"""The BatchNorm epilogues of a ResNet-50 nobody here wrote (dm-haiku's
-`hk.nets.ResNet50`, inference mode, on running statistics) under the cost
-model, on CPU. With a conv-fed band covering the sizes such a network holds,
-every epilogue fuses but those XLA would fuse into another loop; the band that
-measured 0.87-0.91x jit there does not ship yet (jaxfuse/rewrite/cost.py says
-why), so today auto declines them for their size, and says so.
+"""`policy="auto"` fuses the BatchNorm epilogues of a ResNet-50 nobody here
+wrote (dm-haiku's `hk.nets.ResNet50`, inference mode, on running statistics)
+on CPU, through the cost model's conv-fed bands (jaxfuse/rewrite/cost.py):
+the per-dtype threshold declined all 49 for their size, where `always` was
+measured at 0.84-0.92x jit's time. Those XLA fuses with their neighbours
+(the last blocks, into the classifier's YNNPACK fusion; probe.py) go back to
+XLA, and the rest never for their size.
 
 Nothing is timed here: explain says what auto decided. Needs dm-haiku.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -16,10 +19,14 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
+from jaxfuse.rewrite import cost
 
 hk = pytest.importorskip("haiku", reason="needs the `models` extra (dm-haiku)")
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU cost model")
 
 EPILOGUES = ("bn_relu", "bn_residual_relu")
+STRUCTURAL = ("comes from a `add` that XLA fuses into the same loop",
+              "only read by ops XLA fuses into the same loop")
 
 
 def _resnet50(batch, image):
@@ -29,43 +36,25 @@ def _resnet50(batch, image):
     return (lambda p, s, x: t.apply(p, s, None, x, False)[0]), params, state, x
 
 
-@pytest.fixture
-def resnet_bands(monkeypatch):
-    import dataclasses
-
-    from jaxfuse.rewrite import cost
-
-    bands = tuple(cost.ConvBand(form, "float32", channels, low, 1 << 22)
-                  for form in ("batchnorm", "residual")
-                  for channels, low in ((1, 1 << 17), (128, 1 << 14)))
-    monkeypatch.setitem(cost.PLATFORMS, "cpu", dataclasses.replace(
-        cost.PLATFORMS["cpu"], conv_bands=bands, conv_source="the measured band"))
-
-
-def test_resnet50_batchnorm_epilogues_are_declined_for_size_today():
-    f, params, state, x = _resnet50(4, 96)
-    report = jaxfuse.explain(f, params, state, x, platform="cpu")
-    sites = [s for s in report.sites if s.pattern in EPILOGUES]
-    assert len(sites) == 49 and not any(s.fused for s in sites), str(report)
-    sized = [s for s in sites if "elements: below" in s.reason]
-    assert len(sized) == 44 and all(s.cost.form in ("batchnorm", "residual") for s in sized)
-
-
 @pytest.mark.parametrize("batch, image", [(4, 96), (8, 160)])
-def test_resnet50_batchnorm_epilogues_fuse_within_a_band(resnet_bands, batch, image):
+def test_resnet50_batchnorm_epilogues_fuse_under_auto_on_cpu(batch, image):
     f, params, state, x = _resnet50(batch, image)
     report = jaxfuse.explain(f, params, state, x, platform="cpu")
     sites = [s for s in report.sites if s.pattern in EPILOGUES]
     assert len(sites) == 49, str(report)  # one per BatchNorm+ReLU: 33 in blocks, 16 block ends
-    fused = [s for s in sites if s.fused]
-    # The only ones left to XLA are the four projection-shortcut block ends,
-    # whose second operand is another BatchNorm XLA fuses into the same loop,
-    # and the last block's end, read only by the mean (a fusing reduction):
-    # a structural reason, never the size.
-    assert len(fused) == 44, str(report)
     for s in sites:
         if not s.fused:
-            assert "elements" not in s.reason, s
-            assert "XLA fuses" in s.reason, s
+            assert s.reason == cost.XLA_FUSES_REASON or any(k in s.reason for k in STRUCTURAL), s
+    fused = [s for s in sites if s.fused]
+    assert len(fused) >= 30, str(report)
     assert {s.cost.form for s in fused} == {"batchnorm", "residual"}
     assert all(s.cost.producers[0] == "conv" for s in fused)
+    structural = [s for s in sites if not s.fused and s.reason != cost.XLA_FUSES_REASON]
+    assert len(structural) == 5  # four projection-shortcut block ends and the last one
+
+
+def test_resnet50_under_auto_keeps_xlas_library_fusions():
+    f, params, state, x = _resnet50(4, 96)
+    count = lambda g: len(re.findall(r"fusion\(.*kind=kCustom",  # noqa: E731
+                                     jax.jit(g).lower(params, state, x).compile().as_text()))
+    assert count(jaxfuse.optimize(f)) == count(f)

@@ -23,6 +23,7 @@ import jax
 
 from .. import _compat as C
 from . import cost as _cost
+from . import probe as _probe
 from .patterns import resolve
 from .report import Report
 from .walker import rewrite
@@ -161,7 +162,7 @@ class _Traced:
         if self.policy == "measure":
             from .. import tuning
             return tuning.choose(closed, self.patterns, self.autotuner, platform=platform)
-        return rewrite(closed, self.patterns, cost=_cost_model(self.policy, platform))[0]
+        return rewrite_for(closed, self.patterns, self.policy, platform)[0]
 
 
 def _all_tracers(arg) -> bool:
@@ -170,6 +171,19 @@ def _all_tracers(arg) -> bool:
 
 def _cost_model(policy: str, platform: str | None = None):
     return _cost.CostModel(platform) if policy == "auto" else None
+
+
+def rewrite_for(closed, patterns, policy: str, platform: str | None, origin=None):
+    """The rewrite under `policy` for `platform`, with the conv-band sites XLA
+    fuses with their neighbours given back to it (probe.py): (jaxpr, report)."""
+    model = _cost_model(policy, platform)
+    new, report = rewrite(closed, patterns, origin, cost=model)
+    if model is not None and model.probed and platform == trace_platform():
+        new, report = _probe.settle(
+            closed, new, report, model,
+            lambda give_back: rewrite(closed, patterns, origin,
+                                      cost=_cost.CostModel(platform, give_back)))
+    return new, report
 
 
 def _weak(fun):
@@ -238,7 +252,7 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
         args, kwargs = _mark_static(fun, args, kwargs, static)
         flat_fun, dynamic = _split_dynamic(fun, args, kwargs, _is_dynamic_leaf)
         closed = jax.make_jaxpr(flat_fun)(*dynamic)
-    _, report = rewrite(closed, pats, C.definition_site(fun), cost=_cost_model(policy, platform))
+    _, report = rewrite_for(closed, pats, policy, platform, C.definition_site(fun))
     report.platform = platform
     if memory:
         report.memory = {"jit": _compiled_memory(closed), "optimized": _compiled_memory(report.jaxpr)}

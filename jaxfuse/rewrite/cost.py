@@ -99,6 +99,11 @@ class SiteFacts:
     "batchnorm" or "residual"; "" for a pattern that is none of them."""
     channels: int = 0
     """Elements of the widest per-channel operand (0: none)."""
+    probe: int = -1
+    """For a site fused by a conv band: its number in the rewrite, by which the
+    probe (probe.py) names it in XLA's compiled program (-1: not probed)."""
+    xla_fuses: bool = False
+    """The probe saw XLA fuse this site into a library fusion with its neighbours."""
 
     def __str__(self):
         return f"{self.pattern}[{self.elements} x {self.dtype}]"
@@ -149,11 +154,15 @@ class ConvBand:
 # Conv-fed BatchNorm epilogues (ConvBand; bench/results/thresholds-forms-cpu-2026-12-02.txt):
 # inside a conv net these forms pay at far smaller sizes than the op thresholds
 # below say: hk.nets.ResNet50 in inference mode (4x96x96, 8x160x160) with every
-# such site from 2^14 to 2^22 elements fused read 0.87-0.91x jit. But the same
-# band made haiku_resnet_eval (two residual blocks ending in a mean) 1.7x
-# slower: there XLA:CPU's YNNPACK fusion absorbs the whole chain of
-# convolutions, BatchNorms and the mean into one subgraph, and a custom call
-# splits it. No band ships until the cost model can tell when XLA does that.
+# such site from 2^14 to 2^22 elements fused read 0.87-0.91x jit, where the old
+# threshold declined all 49. Single-block programs (bench/thresholds.py
+# --forms) tie within the VM's noise over that range, most clearly not losing
+# with wide channels, and the single 1x1-conv program lost at 2^22, so the band
+# ends there and narrow sites start at 2^17. Where XLA:CPU's YNNPACK fusion
+# absorbs the convolutions, BatchNorms and a closing mean into one subgraph
+# (a two-block haiku ResNet: 1.7x slower with the sites fused), a custom call
+# splits it: probe.py sees that in XLA's compiled program and gives those
+# sites back.
 #
 # Thresholds: `python bench/thresholds.py` measures the smallest size from which
 # the kernel beats XLA's own fusion of the site inside a program, at every
@@ -174,8 +183,12 @@ PLATFORMS = {
         # BatchNorm+ReLU loop, which writes float32 for the next conv. A custom
         # call needs the bfloat16 value written, then converted again: 1.03-1.04x
         # XLA's time in the benchmark's resnet_block and training steps.
-        # No conv-fed bands yet: see the comment on ConvBand's measurements above.
-        narrow_matmuls_in_f32=True),
+        narrow_matmuls_in_f32=True,
+        conv_bands=tuple(
+            ConvBand(form, "float32", channels, low, 1 << 22)
+            for form in ("scale_shift", "batchnorm", "residual")
+            for channels, low in ((1, 1 << 17), (128, 1 << 14))),
+        conv_source="bench/results/thresholds-forms-cpu-2026-12-02.txt"),
     # Measured on an H200 (jax 0.11.2, at 76b89bd): the CUDA add+ReLU kernel took
     # 0.98-1.09x XLA's time for float32/bfloat16 at 2^24..2^28 (ahead only for
     # the bfloat16 bias form), so on CUDA no size pays yet: auto leaves every
@@ -236,8 +249,10 @@ class CostModel:
 
     policy = "auto"
 
-    def __init__(self, platform: str | None = None):
+    def __init__(self, platform: str | None = None, give_back=frozenset()):
         self.platform = platform
+        self.probed: list[int] = []  # sites fused by a conv band, for probe.py
+        self.give_back = frozenset(give_back)  # of those, the ones XLA fuses with neighbours
 
     # ---- contexts for nested jaxprs (walker.descend)
     def context_for(self, eqn, body, graph, outer=TOP) -> Context | None:
@@ -287,7 +302,17 @@ class CostModel:
         # Known platform: decline here, so the site keeps XLA's own program
         # exactly (a site declined only at lowering gets XLA's ops, but in the
         # rewrite's arrangement: inlined calls, moved derivative masks).
-        return (platform_reason(facts, self.platform) if self.platform else None), facts
+        reason = platform_reason(facts, self.platform) if self.platform else None
+        if reason is None and self.platform and in_conv_band(facts, self.platform):
+            # Whether XLA would put this epilogue into one library fusion with
+            # the convolutions around it is only known from its compiled
+            # program: probe.py asks, after the rewrite.
+            facts = dataclasses.replace(facts, probe=len(self.probed))
+            self.probed.append(facts.probe)
+            if facts.probe in self.give_back:
+                facts = dataclasses.replace(facts, xla_fuses=True)
+                reason = XLA_FUSES_REASON
+        return reason, facts
 
 
 _FORMS = {"add_relu": "plain", "scale_shift_relu": "scale_shift", "bn_relu": "batchnorm",
@@ -413,10 +438,24 @@ def _feature_minor(eqn) -> bool:
 
 
 # ------------------------------------------------------ the platform decision
+XLA_FUSES_REASON = (
+    "XLA:CPU fuses this epilogue into one YNNPACK fusion with the convolutions and reductions "
+    "around it (seen in the program it compiles); a custom call would split that fusion")
+
+
+def in_conv_band(facts: SiteFacts | None, platform: str) -> bool:
+    """Whether a conv band (not the op thresholds) decides this site."""
+    p = PLATFORMS.get(platform)
+    return (facts is not None and p is not None and "conv" in facts.producers
+            and p.conv_band(facts) is not None)
+
+
 def platform_reason(facts: SiteFacts | None, platform: str) -> str | None:
     """Why the kernel would lose on `platform` (None: it pays)."""
     if facts is None:
         return None
+    if facts.xla_fuses:
+        return XLA_FUSES_REASON
     p = PLATFORMS.get(platform)
     if p is None:
         return None  # no kernel there anyway: the lowering uses XLA's ops

@@ -1,0 +1,117 @@
+"""Ask XLA which conv-fed epilogues it fuses with their neighbours.
+
+XLA:CPU hands convolutions, dots and reductions to YNNPACK and grows each such
+library fusion over the elementwise ops, convolutions and reductions around
+it (`LibraryRewriter` in XLA). A network of convolutions and BatchNorms that
+ends in a mean can become one such fusion; a custom call in its middle splits
+it (measured: a two-block haiku ResNet 1.7x slower). Which sites XLA takes in
+depends on its own passes, so it is not guessed from the jaxpr: after the
+rewrite, the program is compiled once with each site a conv band fused
+(`SiteFacts.probe`) lowered to XLA's own ops under a name of its own, and a
+site whose ops land inside a library fusion is given back to XLA
+(`SiteFacts.xla_fuses`: its lowering emits XLA's ops, `explain` says why).
+
+That compile is the first call's only extra cost, one compile of the program
+as XLA sees it, and only programs with such sites pay it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+
+from .. import _compat as C
+from . import subjaxprs
+from .cost import XLA_FUSES_REASON
+
+_FUSION = re.compile(r"=\s*\S+\s+fusion\(.*kind=kCustom.*calls=(%[\w.\-]+)")
+_COMPUTATION = re.compile(r"^(%[\w.\-]+)\s+\(", re.M)
+
+
+def library_fused(closed: C.ClosedJaxpr) -> set[int]:
+    """Numbers of the probed sites whose ops XLA puts into a library fusion
+    when it compiles `closed` for the default device."""
+    from .._lowering import PROBING
+
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+             for a in closed.in_avals]
+    with PROBING(True):
+        text = jax.jit(lambda *a: C.eval_closed(closed, *a)).lower(*avals).compile().as_text()
+    return tagged_in_library_fusions(text)
+
+
+def tagged_in_library_fusions(text: str) -> set[int]:
+    """Probe numbers named inside the computations that `kind=kCustom` fusions
+    (XLA:CPU's library fusions: YNNPACK, XNNPACK, oneDNN) call, in an
+    optimized HLO module's text."""
+    from .._lowering import PROBE_SCOPE
+
+    called = set()
+    for line in text.splitlines():
+        m = _FUSION.search(line)
+        if m:
+            called.add(m.group(1))
+    found = set()
+    tag = re.compile(rf"{PROBE_SCOPE}(\d+)/")
+    starts = list(_COMPUTATION.finditer(text))
+    for i, start in enumerate(starts):
+        if start.group(1) not in called:
+            continue
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
+        found.update(int(n) for n in tag.findall(text, start.end(), end))
+    return found
+
+
+def mark(closed: C.ClosedJaxpr, numbers: set[int]) -> C.ClosedJaxpr:
+    """`closed` with the probed sites `numbers` given back to XLA."""
+    def body(b, _segment=None):
+        jaxpr = getattr(b, "jaxpr", b)
+        eqns, changed = [], False
+        for eqn in jaxpr.eqns:
+            new = eqn
+            facts = eqn.params.get("cost")
+            if getattr(facts, "probe", -1) in numbers:
+                new = C.replace_params(eqn, {**eqn.params,
+                                             "cost": dataclasses.replace(facts, xla_fuses=True)})
+            elif subjaxprs.is_known(eqn):
+                new = subjaxprs.map_bodies(eqn, body)
+            changed |= new is not eqn
+            eqns.append(new)
+        if not changed:
+            return b
+        new_jaxpr = C.replace_eqns(jaxpr, eqns)
+        return C.replace_closed(b, new_jaxpr) if isinstance(b, C.ClosedJaxpr) else new_jaxpr
+
+    return body(closed)
+
+
+def settle(closed, new, report, model, rewrite_again):
+    """After an `auto` rewrite (`new`, `report`, its cost model `model`) of
+    `closed`: probe its conv-band sites and give back to XLA those it fuses
+    with their neighbours. `rewrite_again(give_back)` reruns the rewrite
+    declining those; its result is taken when it declines exactly them, else
+    `new` with them marked (they lower to XLA's ops). Returns (jaxpr, report)."""
+    if not model.probed:
+        return new, report
+    numbers = library_fused(new)
+    if not numbers:
+        return new, report
+    again, again_report = rewrite_again(frozenset(numbers))
+    if _fused_numbers(again_report) == _fused_numbers(report) - numbers and \
+            len(again_report.fused) == len(report.fused) - len(numbers):
+        return again, again_report
+    new = mark(new, numbers)
+    for i, site in enumerate(report.sites):
+        facts = site.cost
+        if site.fused and getattr(facts, "probe", -1) in numbers:
+            report.sites[i] = dataclasses.replace(
+                site, fused=False, reason=XLA_FUSES_REASON, declined_for_cost=True,
+                cost=dataclasses.replace(facts, xla_fuses=True))
+    report.jaxpr = new
+    return new, report
+
+
+def _fused_numbers(report) -> set[int]:
+    return {s.cost.probe for s in report.fused if getattr(s.cost, "probe", -1) >= 0}

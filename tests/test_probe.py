@@ -1,0 +1,125 @@
+"""probe.py: conv-band sites that XLA:CPU puts into a library (YNNPACK) fusion
+with the convolutions and reductions around them are given back to XLA, so
+`policy="auto"` never splits one of XLA's library fusions.
+
+Which sites XLA takes depends on its version, so the tests check the property
+(as many library fusions as jit's program, the reason said for each site given
+back) on programs where this XLA was seen to absorb a chain, and the parsing
+on a hand-written module. Nothing is timed.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import jaxfuse
+from jaxfuse.rewrite import cost, probe
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's library fusions")
+
+
+def _library_fusions(text: str) -> int:
+    return len(re.findall(r"fusion\(.*kind=kCustom", text))
+
+
+def _compiled(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def _conv(x, w):
+    return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _chain(closing_mean: bool):
+    def f(x, ws, ms, vs, gs, bs):
+        for i in range(3):  # conv -> inference BatchNorm -> ReLU, three times
+            h = _conv(x, ws[i])
+            x = jax.nn.relu((h - ms[i]) * (gs[i] * lax.rsqrt(vs[i] + 1e-5)) + bs[i])
+        x = _conv(x, ws[3])
+        return x.mean(axis=(1, 2)) if closing_mean else x
+
+    return f
+
+
+def _chain_args(c=128, n=8, side=16):
+    k = jax.random.split(jax.random.key(0), 6)
+    return (jax.random.normal(k[0], (n, side, side, c)),
+            jax.random.normal(k[1], (4, 3, 3, c, c)) / (3 * c) ** 0.5,
+            jax.random.normal(k[2], (3, c)), jnp.abs(jax.random.normal(k[3], (3, c))) + 0.5,
+            jax.random.normal(k[4], (3, c)), jax.random.normal(k[5], (3, c)))
+
+
+def _absorbs_convs(text: str) -> bool:
+    """Whether one of XLA's library fusions holds more than one convolution."""
+    bodies = re.split(r"\n(?=%)", text)
+    return any(body.count(" convolution(") > 1 for body in bodies)
+
+
+@pytest.mark.parametrize("closing_mean", [False, True])
+def test_auto_keeps_xlas_library_fusions(closing_mean):
+    f, args = _chain(closing_mean), _chain_args()
+    report = jaxfuse.explain(f, *args, platform="cpu")
+    sites = report.sites
+    assert len(sites) == 3 and all(s.cost is not None and s.cost.form == "batchnorm" for s in sites)
+    jit_text = _compiled(f, *args)
+    auto_text = _compiled(jaxfuse.optimize(f), *args)
+    assert _library_fusions(auto_text) == _library_fusions(jit_text)
+    given_back = [s for s in sites if not s.fused]
+    for s in given_back:
+        assert s.reason == cost.XLA_FUSES_REASON and s.cost.xla_fuses and s.declined_for_cost
+    assert auto_text.count('custom_call_target="jaxfuse') == len(report.fused)
+    if _absorbs_convs(jit_text):
+        assert given_back, "XLA fused the chain into one library fusion: auto must not split it"
+    else:
+        assert not given_back
+    # the values are jit's, bit for bit
+    assert bool(jnp.all(jaxfuse.optimize(f)(*args) == jax.jit(f)(*args)))
+
+
+def test_always_splits_what_auto_gives_back():
+    f, args = _chain(True), _chain_args()
+    jit_text = _compiled(f, *args)
+    if not _absorbs_convs(jit_text):
+        pytest.skip("this XLA does not fuse the chain into one library fusion")
+    always = _compiled(jaxfuse.optimize(f, policy="always"), *args)
+    assert _library_fusions(always) > _library_fusions(jit_text)
+
+
+def test_a_program_whose_sites_all_go_back_is_jits_own():
+    from jaxfuse.rewrite.api import rewrite_for
+    from jaxfuse.rewrite.patterns import resolve
+
+    f, args = _chain(True), _chain_args()
+    closed = jax.make_jaxpr(f)(*args)
+    new, report = rewrite_for(closed, resolve(None), "auto", "cpu")
+    if report.fused:
+        pytest.skip("this XLA leaves some of the chain's epilogues outside its library fusion")
+    assert new is closed  # rewritten again, declining them: nothing of the rewrite is left
+
+
+def test_tags_are_found_only_inside_library_fusions():
+    text = """HloModule m
+
+%fused_computation (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %max.1 = f32[4]{0} maximum(%param_0, %param_0), metadata={op_name="jit(f)/jaxfuse_probe3/max"}
+}
+
+%fused_computation.1 (param_0.1: f32[4]) -> f32[4] {
+  %param_0.1 = f32[4]{0} parameter(0)
+  ROOT %max.2 = f32[4]{0} maximum(%param_0.1, %param_0.1), metadata={op_name="jit(f)/jaxfuse_probe7/max"}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %ynn_fusion = f32[4]{0} fusion(%x), kind=kCustom, calls=%fused_computation, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+  ROOT %loop = f32[4]{0} fusion(%ynn_fusion), kind=kLoop, calls=%fused_computation.1
+}
+"""
+    assert probe.tagged_in_library_fusions(text) == {3}
