@@ -91,7 +91,7 @@ class TuningCache:
             return None
         # The file name is a hash: check the key itself, so a collision or a
         # hand-edited file never hands back another program's choice.
-        if entry.get("key") != key or entry.get("choice") not in VARIANTS:
+        if entry.get("key") != key or entry.get("choice") not in key.get("candidates", VARIANTS):
             return None
         return entry["choice"]
 
@@ -190,6 +190,9 @@ class Autotuner:
 
 
 DEFAULT = Autotuner()
+# `auto`'s own timed decisions (rewrite/probe.py): two candidates, a shorter
+# budget, the same cache.
+SETTLING = Autotuner(rounds=5, budget_s=1.0)
 
 
 def _fingerprint(program) -> str:
@@ -318,23 +321,31 @@ def choose(closed, patterns, autotuner: Autotuner | None = None, platform: str |
         tuner.skipped.append(why)
         return auto
     candidates = {"xla": closed, "auto": auto, "always": rewrite(closed, patterns)[0]}
+    return candidates[choose_among(closed, candidates, patterns, tuner, default="auto")[0]]
+
+
+def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: str):
+    """(name, measured) of the fastest of `candidates` (name -> ClosedJaxpr
+    computing what `closed` computes), timed as `choose` times them and
+    remembered under the same kind of key; `default` when they cannot be
+    timed (`measured` False: `tuner.skipped` says why)."""
     distinct: dict[str, object] = {}
     for name, variant in candidates.items():
         if not any(variant is v or str(variant) == str(v) for v in distinct.values()):
             distinct[name] = variant
     if len(distinct) == 1:
-        return auto
+        return default, False
     key = _key(closed, distinct, patterns)
     key_text = json.dumps(key, sort_keys=True)
     if key_text in tuner._overran:  # overran before: never run it again
         tuner.skipped.append(tuner._overran[key_text])
-        return auto
+        return default, False
     choice = tuner.cache.get(key)
     if choice is not None:
-        return candidates[choice]
+        return choice, True
     limit = tuner.run_limit()
     try:
-        times = _time(tuner, distinct, closed, key_text, limit)
+        times = _time(tuner, distinct, closed, key_text, limit, baseline=default)
     except _Overrun as e:
         reason = (f"{e.args[0]} did not end within the run limit of {limit:g} s on "
                   f"stand-in data (Autotuner.run_limit_s; default budget_s, at least 1 s)")
@@ -344,14 +355,25 @@ def choose(closed, patterns, autotuner: Autotuner | None = None, platform: str |
         # records (jit's own frames fill it): then the program's first line.
         where = (C.current_user_frame()
                  or C.first_user_frame(e.source_info for e in closed.jaxpr.eqns))
-        C.warn_at_user_line(f"jaxfuse: policy='measure' did not time this program: {reason}; "
+        C.warn_at_user_line(f"jaxfuse: did not time this program's candidates: {reason}; "
                             f"it gets the cost model's choice, which is not cached", where=where)
-        return auto
+        return default, False
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     choice = min(medians, key=medians.get)
     tuner.cache.put(key, choice, medians)
     tuner.log.append((key, choice, medians))
-    return candidates[choice]
+    return choice, True
+
+
+def stored_choice(closed, candidates: dict, patterns, tuner: Autotuner) -> str | None:
+    """The decision `choose_among` stored for these candidates, without timing (None: none)."""
+    distinct: dict[str, object] = {}
+    for name, variant in candidates.items():
+        if not any(variant is v or str(variant) == str(v) for v in distinct.values()):
+            distinct[name] = variant
+    if len(distinct) == 1:
+        return None
+    return tuner.cache.get(_key(closed, distinct, patterns))
 
 
 def _temp_bytes(compiled) -> int | None:
@@ -361,7 +383,8 @@ def _temp_bytes(compiled) -> int | None:
         return None
 
 
-def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float) -> dict:
+def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
+          baseline: str = "xla") -> dict:
     """{candidate: [seconds per round]}; raises `_Overrun` when a run does not
     end within `limit` seconds. A candidate whose compiled program holds more
     temp bytes than XLA's own (beyond a pacing value's) is not timed: it is
@@ -370,9 +393,10 @@ def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float)
         args = _inputs(closed)
         compiled = {name: _compiled(v, args) for name, v in distinct.items()}
     temps = {name: _temp_bytes(fn) for name, fn in compiled.items()}
-    if temps.get("xla") is not None:
-        compiled = {name: fn for name, fn in compiled.items() if name == "xla"
-                    or temps[name] is None or temps[name] <= temps["xla"] + PACING_TEMP_BYTES}
+    base = "xla" if "xla" in temps else baseline
+    if temps.get(base) is not None:
+        compiled = {name: fn for name, fn in compiled.items() if name == base
+                    or temps[name] is None or temps[name] <= temps[base] + PACING_TEMP_BYTES}
     # Warm-up (allocation, first touch), waited for by polling: a program that
     # never ends on this data shows here, and a thread left blocked inside
     # jax's own wait would abort the process at exit.

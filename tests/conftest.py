@@ -11,6 +11,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+# Decisions auto and policy="measure" time are stored on disk: the suite keeps
+# its own, so no test reads a decision another run (or the user) stored.
+if "JAXFUSE_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAXFUSE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxfuse-tests-")
+
 import jax
 import numpy as np
 import pytest

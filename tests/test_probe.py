@@ -11,6 +11,7 @@ on a hand-written module. Nothing is timed.
 from __future__ import annotations
 
 import re
+import tempfile
 
 import pytest
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxfuse
+from jaxfuse import tuning
 from jaxfuse.rewrite import cost, probe
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's library fusions")
@@ -61,14 +63,23 @@ def _absorbs_convs(text: str) -> bool:
     return any(body.count(" convolution(") > 1 for body in bodies)
 
 
+def _prefer(winner):
+    """An Autotuner whose timer says `winner` is the faster program (nothing is
+    timed), with a cache of its own."""
+    def timer(name, run):
+        return 1.0 if name == winner else 2.0
+
+    return tuning.Autotuner(rounds=2, timer=timer, cache=tuning.TuningCache(tempfile.mkdtemp()))
+
+
 @pytest.mark.parametrize("closing_mean", [False, True])
-def test_auto_keeps_xlas_library_fusions(closing_mean):
+def test_sites_given_back_keep_xlas_library_fusions(closing_mean):
     f, args = _chain(closing_mean), _chain_args()
     report = jaxfuse.explain(f, *args, platform="cpu")
     sites = report.sites
     assert len(sites) == 3 and all(s.cost is not None and s.cost.form == "batchnorm" for s in sites)
     jit_text = _compiled(f, *args)
-    auto_text = _compiled(jaxfuse.optimize(f), *args)
+    auto_text = _compiled(jaxfuse.optimize(f, autotuner=_prefer("given_back")), *args)
     assert _library_fusions(auto_text) == _library_fusions(jit_text)
     given_back = [s for s in sites if not s.fused]
     for s in given_back:
@@ -76,19 +87,50 @@ def test_auto_keeps_xlas_library_fusions(closing_mean):
     assert auto_text.count('custom_call_target="jaxfuse') == len(report.fused)
     if _absorbs_convs(jit_text):
         assert given_back, "XLA fused the chain into one library fusion: auto must not split it"
+        assert report.measured.startswith("3 sites XLA:CPU fuses into a library fusion: given "
+                                          "back, not timed yet")
     else:
-        assert not given_back
+        assert not given_back and report.measured is None
     # the values are jit's, bit for bit
     assert bool(jnp.all(jaxfuse.optimize(f)(*args) == jax.jit(f)(*args)))
 
 
-def test_always_splits_what_auto_gives_back():
+def _absorbing_chain():
     f, args = _chain(True), _chain_args()
     jit_text = _compiled(f, *args)
     if not _absorbs_convs(jit_text):
         pytest.skip("this XLA does not fuse the chain into one library fusion")
+    return f, args, jit_text
+
+
+def test_always_splits_what_auto_gives_back():
+    f, args, jit_text = _absorbing_chain()
     always = _compiled(jaxfuse.optimize(f, policy="always"), *args)
     assert _library_fusions(always) > _library_fusions(jit_text)
+
+
+@pytest.mark.parametrize("winner", ["given_back", "kept"])
+def test_auto_times_the_sites_xla_takes_and_remembers(winner):
+    f, args, jit_text = _absorbing_chain()
+    tuner = _prefer(winner)
+    g = jaxfuse.optimize(f, autotuner=tuner)
+    text = _compiled(g, *args)
+    calls = text.count('custom_call_target="jaxfuse')
+    # Splitting XLA's library fusion here holds more temp bytes than XLA's
+    # program (its intermediates go to memory): that candidate is never
+    # chosen, however fast (the memory promise), so XLA keeps the chain.
+    assert calls == 0
+    assert len(tuner.log) == 1 and tuner.log[0][1] == "given_back"
+    assert set(tuner.log[0][2]) == {"given_back"}  # the other was not even timed
+    assert bool(jnp.all(g(*args) == jax.jit(f)(*args)))
+    # explain finds the stored decision (it never times), and says it was measured
+    from jaxfuse.rewrite.api import rewrite_for
+    from jaxfuse.rewrite.patterns import resolve
+
+    closed = jax.make_jaxpr(f)(*args)
+    _, report = rewrite_for(closed, resolve(None), "auto", "cpu", tuner=tuner)
+    assert len(report.fused) == calls and len(tuner.log) == 1
+    assert "given back, timed faster" in report.measured
 
 
 def test_a_program_whose_sites_all_go_back_is_jits_own():

@@ -69,11 +69,16 @@ def optimize(fun: Callable | None = None, *, policy: str = "auto", patterns=None
     `policy`:
       * "auto" (default): fuse a site only where the cost model says the custom
         call cannot lose to XLA's own fusion on the platform being compiled for
-        (jaxfuse/rewrite/cost.py; `explain` gives every decline's reason);
+        (jaxfuse/rewrite/cost.py; `explain` gives every decline's reason). Where
+        XLA:CPU would put a conv-fed epilogue into one of its library fusions,
+        the programs with and without those sites are timed once per program
+        and device and the decision stored (jaxfuse/rewrite/probe.py; the
+        `autotuner`, default `jaxfuse.tuning.SETTLING`, times them);
       * "always": every safe site (for tests and benchmarks);
       * "measure": time the candidate programs on the device the first time a
         signature is traced and keep the fastest, remembered on disk
-        (`jaxfuse.tuning`); `autotuner` overrides its settings.
+        (`jaxfuse.tuning`); `autotuner` overrides its settings (default
+        `jaxfuse.tuning.DEFAULT`).
     `patterns`: names or `Pattern`s; None means every pattern registered when
     `optimize` is called. Other keyword arguments go to `jax.jit`
     (`static_argnums`, `static_argnames`, `donate_argnums`, ...).
@@ -162,7 +167,8 @@ class _Traced:
         if self.policy == "measure":
             from .. import tuning
             return tuning.choose(closed, self.patterns, self.autotuner, platform=platform)
-        return rewrite_for(closed, self.patterns, self.policy, platform)[0]
+        return rewrite_for(closed, self.patterns, self.policy, platform,
+                           tuner=self.autotuner, time_it=True)[0]
 
 
 def _all_tracers(arg) -> bool:
@@ -173,16 +179,19 @@ def _cost_model(policy: str, platform: str | None = None):
     return _cost.CostModel(platform) if policy == "auto" else None
 
 
-def rewrite_for(closed, patterns, policy: str, platform: str | None, origin=None):
+def rewrite_for(closed, patterns, policy: str, platform: str | None, origin=None, *,
+                tuner=None, time_it=False):
     """The rewrite under `policy` for `platform`, with the conv-band sites XLA
-    fuses with their neighbours given back to it (probe.py): (jaxpr, report)."""
+    fuses with their neighbours settled (probe.py: timed when `time_it`):
+    (jaxpr, report)."""
     model = _cost_model(policy, platform)
     new, report = rewrite(closed, patterns, origin, cost=model)
     if model is not None and model.probed and platform == trace_platform():
         new, report = _probe.settle(
             closed, new, report, model,
             lambda give_back: rewrite(closed, patterns, origin,
-                                      cost=_cost.CostModel(platform, give_back)))
+                                      cost=_cost.CostModel(platform, give_back)),
+            patterns=patterns, tuner=tuner, time_it=time_it)
     return new, report
 
 

@@ -11,8 +11,11 @@ rewrite, the program is compiled once with each site a conv band fused
 site whose ops land inside a library fusion is given back to XLA
 (`SiteFacts.xla_fuses`: its lowering emits XLA's ops, `explain` says why).
 
-That compile is the first call's only extra cost, one compile of the program
-as XLA sees it, and only programs with such sites pay it.
+Only programs with such sites pay for this: one compile of the program as
+XLA sees it, and where XLA does take sites, the two programs (sites given
+back, sites kept) compiled and timed once per program and device (at most
+`Autotuner.budget_s` of timing; the decision is stored as `policy="measure"`
+stores its own).
 """
 
 from __future__ import annotations
@@ -87,30 +90,63 @@ def mark(closed: C.ClosedJaxpr, numbers: set[int]) -> C.ClosedJaxpr:
     return body(closed)
 
 
-def settle(closed, new, report, model, rewrite_again):
+def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None, time_it=False):
     """After an `auto` rewrite (`new`, `report`, its cost model `model`) of
-    `closed`: probe its conv-band sites and give back to XLA those it fuses
-    with their neighbours. `rewrite_again(give_back)` reruns the rewrite
-    declining those; its result is taken when it declines exactly them, else
-    `new` with them marked (they lower to XLA's ops). Returns (jaxpr, report)."""
+    `closed`: probe its conv-band sites and settle those XLA fuses with their
+    neighbours. Giving them back keeps XLA's library fusion, which is not
+    always the faster program (splitting the one XLA grows over a ResNet-50's
+    last blocks and classifier measured 0.87x its time), so the two programs
+    are timed (`tuning.choose_among`, remembered on disk per program and
+    device) when `time_it` and the program can be run on stand-in data;
+    otherwise, or when a stored decision is not found by `explain`, they go
+    back. `rewrite_again(give_back)` reruns the rewrite declining them; its
+    result is taken when it declines exactly them, else `new` with them marked
+    (they lower to XLA's ops). Returns (jaxpr, report)."""
     if not model.probed:
         return new, report
     numbers = library_fused(new)
     if not numbers:
         return new, report
     again, again_report = rewrite_again(frozenset(numbers))
-    if _fused_numbers(again_report) == _fused_numbers(report) - numbers and \
-            len(again_report.fused) == len(report.fused) - len(numbers):
-        return again, again_report
-    new = mark(new, numbers)
-    for i, site in enumerate(report.sites):
+    if not (_fused_numbers(again_report) == _fused_numbers(report) - numbers
+            and len(again_report.fused) == len(report.fused) - len(numbers)):
+        again, again_report = mark(new, numbers), _marked_report(report, numbers)
+    from .. import tuning
+
+    n = len(numbers)
+    sites = f"{n} site{'s' * (n != 1)} XLA:CPU fuses into a library fusion"
+    candidates = {"given_back": again, "kept": new}
+    tuner = tuner or tuning.SETTLING
+    why_not = tuning._untimeable(closed)
+    if why_not is None and time_it:
+        choice, measured = tuning.choose_among(closed, candidates, patterns, tuner,
+                                               default="given_back")
+    elif why_not is None:
+        choice = tuning.stored_choice(closed, candidates, patterns, tuner)
+        measured = choice is not None
+        choice = choice or "given_back"
+    else:
+        choice, measured = "given_back", False
+    if choice == "kept":
+        report.measured = f"{sites}: kept fused, timed faster than XLA's fusion of them"
+        return new, report
+    again_report.measured = (
+        f"{sites}: given back, " + ("timed faster than the kernel there" if measured else
+                                    f"not timed ({why_not})" if why_not else
+                                    "not timed yet (optimize times them on its first call)"))
+    return again, again_report
+
+
+def _marked_report(report, numbers):
+    sites = []
+    for site in report.sites:
         facts = site.cost
         if site.fused and getattr(facts, "probe", -1) in numbers:
-            report.sites[i] = dataclasses.replace(
-                site, fused=False, reason=XLA_FUSES_REASON, declined_for_cost=True,
-                cost=dataclasses.replace(facts, xla_fuses=True))
-    report.jaxpr = new
-    return new, report
+            site = dataclasses.replace(site, fused=False, reason=XLA_FUSES_REASON,
+                                       declined_for_cost=True,
+                                       cost=dataclasses.replace(facts, xla_fuses=True))
+        sites.append(site)
+    return dataclasses.replace(report, sites=sites, jaxpr=mark(report.jaxpr, numbers))
 
 
 def _fused_numbers(report) -> set[int]:

@@ -136,6 +136,8 @@ class Report:
     memory: dict | None = None
     """`explain(..., memory=True)`: the bytes XLA reports for the program as
     traced ("jit") and as rewritten ("optimized"): temp, argument, output."""
+    measured: str | None = None
+    """What `auto` decided by timing rather than by rule (probe.py), if anything."""
 
     @property
     def fused(self) -> list[Site]:
@@ -173,6 +175,8 @@ class Report:
                       if self.skipped else "")
                    + f" (policy {self.policy!r}"
                    + (f", platform {self.platform})" if self.platform else ")"))
+        if self.measured:
+            summary += f"\nmeasured: {self.measured}"
         if self.memory:
             jit, opt = self.memory["jit"]["temp"], self.memory["optimized"]["temp"]
             ratio = f" ({opt / jit:.2f}x)" if jit else ""
