@@ -133,6 +133,30 @@ def form_case(form: str, n: int, reps: int, mode: str):
     return timing.ratio_ci(res["jaxfuse"][0].samples, res["xla"][0].samples), sites[0].pattern
 
 
+def _emit(lines, out) -> int:
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def _row(label: str, lat, thr, mark) -> str:
+    return (f"{label}: {lat[0]:.3f} [{lat[1]:.3f}, {lat[2]:.3f}] | "
+            f"{thr[0]:.3f} [{thr[1]:.3f}, {thr[2]:.3f}]  {mark or ''}")
+
+
+def _first_of_run(flags) -> int | None:
+    """The smallest log2 size from which every (log2 size, ok) pair is ok."""
+    first = None
+    for k, ok in reversed(flags):
+        if not ok:
+            break
+        first = k
+    return first
+
+
 def _pays(lat, thr) -> bool:
     return lat[0] < 1.0 and thr[0] < 1.0 and lat[1] <= 1.0 and thr[1] <= 1.0
 
@@ -151,21 +175,11 @@ def forms_main(args) -> int:
             (lat, pattern), (thr, _) = (form_case(form, 1 << k, args.reps, m)
                                         for m in ("latency", "throughput"))
             pays.append((k, _pays(lat, thr)))
-            lines.append(f"{form:11s} 2^{k:<2d} ({pattern}): {lat[0]:.3f} [{lat[1]:.3f}, {lat[2]:.3f}] | "
-                         f"{thr[0]:.3f} [{thr[1]:.3f}, {thr[2]:.3f}]  {'pays' if pays[-1][1] else ''}")
+            lines.append(_row(f"{form:11s} 2^{k:<2d} ({pattern})", lat, thr, pays[-1][1] and "pays"))
             print(lines[-1], file=sys.stderr, flush=True)
-        first = None
-        for k, ok in reversed(pays):
-            if not ok:
-                break
-            first = k
+        first = _first_of_run(pays)
         lines.append(f"{form}: min_elements = {None if first is None else 1 << first}")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return 0
+    return _emit(lines, args.out)
 
 
 def main(argv=None) -> int:
@@ -196,23 +210,13 @@ def main(argv=None) -> int:
                 thr = case(1 << k, dtype, args.reps, "throughput")
                 win = lat[2] < 1.0 and thr[2] < 1.0
                 wins.append((k, win))
-                lines.append(f"{name:9s} 2^{k:<2d}: {lat[0]:.3f} [{lat[1]:.3f}, {lat[2]:.3f}] | "
-                             f"{thr[0]:.3f} [{thr[1]:.3f}, {thr[2]:.3f}]  {'kernel wins' if win else ''}")
+                lines.append(_row(f"{name:9s} 2^{k:<2d}", lat, thr, win and "kernel wins"))
                 print(lines[-1], file=sys.stderr, flush=True)
-        first = None
-        for k, win in reversed(wins):
-            if not win:
-                break
-            first = k
+        first = _first_of_run(wins)
         found[name] = None if first is None else 1 << first
         lines.append(f"{name}: min_elements = {found[name]}"
                      + ("" if first is not None else f" (the kernel never won up to 2^{args.max_log2})"))
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return 0
+    return _emit(lines, args.out)
 
 
 class _null:

@@ -305,11 +305,33 @@ def cpu_bands(monkeypatch):
     return p
 
 
-def test_cpu_bands_cover_batchnorm_epilogues_in_float32_only():
+def test_cpu_bands_cover_the_float32_forms_after_a_convolution():
     bands = cost.PLATFORMS["cpu"].conv_bands
-    assert {b.form for b in bands} == {"scale_shift", "batchnorm", "residual"}
+    assert {b.form for b in bands} == {"plain", "bias", "scale_shift", "batchnorm", "residual"}
     assert {b.dtype for b in bands} == {"float32"}  # narrow types: see narrow_matmuls_in_f32
     assert all(b.low < b.high for b in bands)
+
+
+def test_plain_float32_sites_fuse_from_2_22_unless_a_convolution_feeds_them():
+    n = 1 << 22
+    plain = lambda a, b: jax.nn.relu(a + b)  # noqa: E731
+    site = one_site(jaxfuse.explain(plain, sds((n // 1024, 1024)), sds((n // 1024, 1024)),
+                                    platform="cpu"))
+    assert site.fused and site.cost.form == "plain"
+    half = one_site(jaxfuse.explain(plain, sds((n // 2048, 1024)), sds((n // 2048, 1024)),
+                                    platform="cpu"))
+    assert half.declined_for_cost and "below 4194304" in half.reason
+    # the folded BatchNorm keeps 2^23 there
+    ss = lambda x, s, t: jax.nn.relu(x * s + t)  # noqa: E731
+    site = one_site(jaxfuse.explain(ss, sds((n // 1024, 1024)), sds((1024,)), sds((1024,)),
+                                    platform="cpu"))
+    assert site.declined_for_cost and "below 8388608" in site.reason
+    # after a convolution, relu(conv + y) keeps 2^23 too
+    fed = lambda x, k, y: jax.nn.relu(_conv(x, k, ("NHWC", "HWIO", "NHWC")) + y)  # noqa: E731
+    shape = (64, 256, 256, 1)
+    site = one_site(jaxfuse.explain(fed, sds(shape), sds((1, 1, 1, 1)), sds(shape), platform="cpu"))
+    assert site.cost.elements == n and site.cost.producers[0] == "conv"
+    assert site.declined_for_cost and "below 8388608" in site.reason and "convolution" in site.reason
 
 
 def test_the_band_for_the_widest_channels_reached(cpu_bands):

@@ -416,15 +416,20 @@ def _haiku_resnet_train(size, dtype, key):
                 note=f"dm-haiku: 2 residual blocks of Conv2D+BatchNorm (training mode), width {width}")
 
 
-def _haiku_resnet_eval(size, dtype, key):
-    batch, image, width = size
-    t = _haiku_small_resnet(width)
-    params, bn_state = t.init(key, jnp.zeros((batch, image, image, 3), jnp.float32), True)
+def _haiku_inference(t, x_shape, dtype, key, note):
+    """A haiku network `t(x, is_training)` applied in inference mode, its
+    BatchNorms on running statistics."""
+    params, bn_state = t.init(key, jnp.zeros(x_shape, jnp.float32), True)
     state = _cast((params, _running_stats(bn_state, key)), dtype)
     return Spec(lambda p, x: t.apply(p[0], p[1], None, x, False)[0], state,
-                (((batch, image, image, 3), "normal"),), (batch, image, image, 3),
-                note=f"dm-haiku: haiku_resnet_train's network in inference mode (BatchNorm on "
-                     f"running statistics), width {width}")
+                ((x_shape, "normal"),), x_shape, note=note)
+
+
+def _haiku_resnet_eval(size, dtype, key):
+    batch, image, width = size
+    return _haiku_inference(_haiku_small_resnet(width), (batch, image, image, 3), dtype, key,
+                            f"dm-haiku: haiku_resnet_train's network in inference mode "
+                            f"(BatchNorm on running statistics), width {width}")
 
 
 def _haiku_resnet50_eval(size, dtype, key):
@@ -432,12 +437,9 @@ def _haiku_resnet50_eval(size, dtype, key):
 
     batch, image = size
     t = hk.transform_with_state(lambda x, is_training: hk.nets.ResNet50(1000)(x, is_training))
-    params, bn_state = t.init(key, jnp.zeros((batch, image, image, 3), jnp.float32), True)
-    state = _cast((params, _running_stats(bn_state, key)), dtype)
-    return Spec(lambda p, x: t.apply(p[0], p[1], None, x, False)[0], state,
-                (((batch, image, image, 3), "normal"),), (batch, image, image, 3),
-                note=f"dm-haiku's hk.nets.ResNet50 in inference mode, batch {batch}, "
-                     f"{image}x{image}, NHWC")
+    return _haiku_inference(t, (batch, image, image, 3), dtype, key,
+                            f"dm-haiku's hk.nets.ResNet50 in inference mode, batch {batch}, "
+                            f"{image}x{image}, NHWC")
 
 
 def _linen_ffn_train(size, dtype, key):
