@@ -321,18 +321,19 @@ def choose(closed, patterns, autotuner: Autotuner | None = None, platform: str |
         tuner.skipped.append(why)
         return auto
     candidates = {"xla": closed, "auto": auto, "always": rewrite(closed, patterns)[0]}
-    return candidates[choose_among(closed, candidates, patterns, tuner, default="auto")[0]]
+    return candidates[choose_among(closed, candidates, patterns, tuner, default="auto",
+                                   baseline="xla")[0]]
 
 
-def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: str):
+def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: str,
+                 baseline: str):
     """(name, measured) of the fastest of `candidates` (name -> ClosedJaxpr
     computing what `closed` computes), timed as `choose` times them and
     remembered under the same kind of key; `default` when they cannot be
-    timed (`measured` False: `tuner.skipped` says why)."""
-    distinct: dict[str, object] = {}
-    for name, variant in candidates.items():
-        if not any(variant is v or str(variant) == str(v) for v in distinct.values()):
-            distinct[name] = variant
+    timed (`measured` False: `tuner.skipped` says why). No candidate holding
+    more temp bytes than `baseline` is timed (the first of them, when they
+    compile to the same program)."""
+    distinct = _distinct(candidates)
     if len(distinct) == 1:
         return default, False
     key = _key(closed, distinct, patterns)
@@ -345,7 +346,7 @@ def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: 
         return choice, True
     limit = tuner.run_limit()
     try:
-        times = _time(tuner, distinct, closed, key_text, limit, baseline=default)
+        times = _time(tuner, distinct, closed, key_text, limit, baseline)
     except _Overrun as e:
         reason = (f"{e.args[0]} did not end within the run limit of {limit:g} s on "
                   f"stand-in data (Autotuner.run_limit_s; default budget_s, at least 1 s)")
@@ -365,12 +366,18 @@ def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: 
     return choice, True
 
 
-def stored_choice(closed, candidates: dict, patterns, tuner: Autotuner) -> str | None:
-    """The decision `choose_among` stored for these candidates, without timing (None: none)."""
+def _distinct(candidates: dict) -> dict:
+    """The candidates, each distinct program once (under its first name)."""
     distinct: dict[str, object] = {}
     for name, variant in candidates.items():
         if not any(variant is v or str(variant) == str(v) for v in distinct.values()):
             distinct[name] = variant
+    return distinct
+
+
+def stored_choice(closed, candidates: dict, patterns, tuner: Autotuner) -> str | None:
+    """The decision `choose_among` stored for these candidates, without timing (None: none)."""
+    distinct = _distinct(candidates)
     if len(distinct) == 1:
         return None
     return tuner.cache.get(_key(closed, distinct, patterns))
@@ -384,7 +391,7 @@ def _temp_bytes(compiled) -> int | None:
 
 
 def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
-          baseline: str = "xla") -> dict:
+          baseline: str) -> dict:
     """{candidate: [seconds per round]}; raises `_Overrun` when a run does not
     end within `limit` seconds. A candidate whose compiled program holds more
     temp bytes than XLA's own (beyond a pacing value's) is not timed: it is
@@ -393,10 +400,9 @@ def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
         args = _inputs(closed)
         compiled = {name: _compiled(v, args) for name, v in distinct.items()}
     temps = {name: _temp_bytes(fn) for name, fn in compiled.items()}
-    base = "xla" if "xla" in temps else baseline
-    if temps.get(base) is not None:
-        compiled = {name: fn for name, fn in compiled.items() if name == base
-                    or temps[name] is None or temps[name] <= temps[base] + PACING_TEMP_BYTES}
+    if temps.get(baseline) is not None:
+        compiled = {name: fn for name, fn in compiled.items() if name == baseline
+                    or temps[name] is None or temps[name] <= temps[baseline] + PACING_TEMP_BYTES}
     # Warm-up (allocation, first touch), waited for by polling: a program that
     # never ends on this data shows here, and a thread left blocked inside
     # jax's own wait would abort the process at exit.

@@ -186,7 +186,7 @@ def rewrite_for(closed, patterns, policy: str, platform: str | None, origin=None
     (jaxpr, report)."""
     model = _cost_model(policy, platform)
     new, report = rewrite(closed, patterns, origin, cost=model)
-    if model is not None and model.probed and platform == trace_platform():
+    if model is not None and platform == trace_platform():
         new, report = _probe.settle(
             closed, new, report, model,
             lambda give_back: rewrite(closed, patterns, origin,

@@ -110,7 +110,8 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
     again, again_report = rewrite_again(frozenset(numbers))
     if not (_fused_numbers(again_report) == _fused_numbers(report) - numbers
             and len(again_report.fused) == len(report.fused) - len(numbers)):
-        again, again_report = mark(new, numbers), _marked_report(report, numbers)
+        again = mark(new, numbers)
+        again_report = _marked_report(report, numbers, again)
     from .. import tuning
 
     n = len(numbers)
@@ -120,7 +121,7 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
     why_not = tuning._untimeable(closed)
     if why_not is None and time_it:
         choice, measured = tuning.choose_among(closed, candidates, patterns, tuner,
-                                               default="given_back")
+                                               default="given_back", baseline="given_back")
     elif why_not is None:
         choice = tuning.stored_choice(closed, candidates, patterns, tuner)
         measured = choice is not None
@@ -137,7 +138,7 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
     return again, again_report
 
 
-def _marked_report(report, numbers):
+def _marked_report(report, numbers, marked):
     sites = []
     for site in report.sites:
         facts = site.cost
@@ -146,7 +147,7 @@ def _marked_report(report, numbers):
                                        declined_for_cost=True,
                                        cost=dataclasses.replace(facts, xla_fuses=True))
         sites.append(site)
-    return dataclasses.replace(report, sites=sites, jaxpr=mark(report.jaxpr, numbers))
+    return dataclasses.replace(report, sites=sites, jaxpr=marked)
 
 
 def _fused_numbers(report) -> set[int]:
