@@ -18,6 +18,10 @@ struct CpuSettings {
 };
 
 void ConfigureCpu(const CpuSettings& settings);
+// Whether the AVX2 loops may run (where the CPU has AVX2, FMA and F16C): set
+// from the ISA XLA targets (jaxfuse/_isa.py); and the path calls take now.
+void SetVectorPath(bool avx2);
+const char* VectorPath();
 CpuSettings CurrentCpuSettings();
 // The last-level cache auto mode measures reuse distances against.
 int64_t StreamingCacheBytes();

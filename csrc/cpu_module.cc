@@ -32,6 +32,8 @@ NB_MODULE(_cpu_kernels, m) {
     jaxfuse::ConfigureCpu(s);
   }, nb::arg("max_threads"), nb::arg("huge_pages"), nb::arg("streaming"),
   "Run-time settings: thread cap (0: none), huge-page advice, streaming stores (-1 auto, 0 off, 1 on).");
+  m.def("set_vector_path", [](bool avx2) { jaxfuse::SetVectorPath(avx2); }, nb::arg("avx2"),
+  "Whether the AVX2 loops may run: only where XLA itself may use AVX2 (jaxfuse/_isa.py).");
   m.def("settings", []() {
     jaxfuse::CpuSettings s = jaxfuse::CurrentCpuSettings();
     nb::dict d;
@@ -39,6 +41,7 @@ NB_MODULE(_cpu_kernels, m) {
     d["huge_pages"] = s.huge_pages;
     d["streaming"] = s.streaming;
     d["streaming_cache_bytes"] = jaxfuse::StreamingCacheBytes();
+    d["vector_path"] = jaxfuse::VectorPath();
     return d;
   }, "The settings in force, and the last-level cache the auto streaming rule counts against.");
   m.def("force_regions_for_tests", [](int64_t regions) {

@@ -70,6 +70,7 @@ namespace {
 std::atomic<int64_t> g_max_threads{0};
 std::atomic<bool> g_huge_pages{true};
 std::atomic<int> g_streaming{-1};  // auto; jaxfuse/_env.py says why
+std::atomic<bool> g_vector_avx2{true};  // jaxfuse/_isa.py: XLA may use AVX2
 // Tests only: split every call into this many regions (0: one per worker),
 // so splits the pool here cannot reach, and a caller whose helpers never
 // run, get exercised; and what the last split call did.
@@ -388,12 +389,16 @@ JF_AVX2 void NarrowAvx2(const void* const* in, void* out, uint8_t* tie,
   }
 }
 
-bool HaveAvx2() {
+bool CpuHasAvx2() {
   static const bool have = __builtin_cpu_supports("avx2") &&
                            __builtin_cpu_supports("fma") &&
                            __builtin_cpu_supports("f16c");
   return have;
 }
+
+// The AVX2 loops run only where XLA may use AVX2 too (SetVectorPath): XLA held
+// to SSE4.2 on a bigger host is then compared with the loops such a CPU runs.
+bool HaveAvx2() { return g_vector_avx2.load(std::memory_order_relaxed) && CpuHasAvx2(); }
 #endif  // JF_X86
 
 // ---- the table: dtype x (mean, scale, residual, contract, each-op, tie, prescale)
@@ -962,6 +967,17 @@ ffi::Error EpilogueCpuImpl(ffi::ThreadPool pool, ffi::RemainingArgs args,
 bool FreshPagesForTests(uintptr_t p, size_t bytes) {
   return FreshPages(reinterpret_cast<const void*>(p), bytes);
 }
+
+void SetVectorPath(bool avx2) { g_vector_avx2.store(avx2); }
+
+const char* VectorPath() {
+#if JF_X86
+  return HaveAvx2() ? "avx2" : "baseline";
+#else
+  return "baseline";
+#endif
+}
+
 }  // namespace jaxfuse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AddReluCpu, jaxfuse::AddReluCpuImpl,

@@ -14,7 +14,7 @@ import warnings
 
 import jax
 
-from . import _env
+from . import _env, _isa
 
 TARGET = "jaxfuse_add_relu"
 EPILOGUE_TARGET = "jaxfuse_epilogue"
@@ -80,6 +80,7 @@ def _register(platform: str) -> None:
     _registered[platform] = True
     _modules[platform] = module
     if platform == "cpu":
+        module.set_vector_path(_isa.kernel_vector_path(_isa.target_level_here()) == "avx2")
         configure_cpu(_env.SETTINGS)
     else:
         configure_cuda(_env.SETTINGS)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import platform as _platform
-import re
 
 import numpy as np
+
+from . import _isa
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,46 +34,20 @@ _WIDE = (np.dtype(np.float32), np.dtype(np.float64))
 _CPU_WIDE = Rounding(True, True, "measured on XLA:CPU (jax 0.10.2, 0.11.2)")
 _CPU_WIDE_NO_FMA = Rounding(False, True, "measured on XLA:CPU held to an ISA without FMA")
 _CPU_NARROW = Rounding(False, True, "measured on XLA:CPU (jax 0.10.2, 0.11.2)")
-# XLA's --xla_cpu_max_isa levels below AVX2, which is where FMA comes in.
-_ISAS_WITHOUT_FMA = frozenset({"SSE4_2", "AVX"})
 
 
-def _max_isa(xla_flags: str) -> str | None:
-    found = re.findall(r"--xla_cpu_max_isa=([A-Za-z0-9_]+)", xla_flags or "")
-    return found[-1].upper() if found else None
+def cpu_contracts(level: str) -> bool:
+    """Whether XLA:CPU contracts a multiply into an add when it targets ISA
+    `level` (_isa.py): on x86-64 from AVX2, which brings FMA; other machines
+    (AArch64) always have fused multiply-add and are assumed to contract too."""
+    return level in ("avx2", "avx512") or not _isa.is_x86(level)
 
 
-def _host_has_fma() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "fma" in line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    try:  # elsewhere: numpy's own run-time CPU feature detection
-        from numpy._core import _multiarray_umath as umath
-    except ImportError:  # numpy < 2
-        from numpy.core import _multiarray_umath as umath  # type: ignore[no-redef]
-    return bool(getattr(umath, "__cpu_features__", {}).get("FMA3", True))
-
-
-def cpu_contracts(xla_flags: str, machine: str, host_fma: bool) -> bool:
-    """Whether XLA:CPU contracts a multiply into an add, given XLA_FLAGS, the
-    machine and whether its CPU has FMA: on x86-64 where the ISA XLA targets
-    (the host's, capped by `--xla_cpu_max_isa`) has FMA. Elsewhere (AArch64
-    always has fused multiply-add) it is assumed to, as on x86-64 with FMA."""
-    if machine.lower() not in ("x86_64", "amd64", "x86", "i686"):
-        return True
-    return _max_isa(xla_flags) not in _ISAS_WITHOUT_FMA and host_fma
-
-
-@functools.lru_cache(maxsize=None)
 def cpu_contracts_here() -> bool:
-    """`cpu_contracts` for this process. XLA parses XLA_FLAGS once per process,
-    when its first client is made; reading them once (at the first lowering,
-    after that) follows it."""
-    return cpu_contracts(os.environ.get("XLA_FLAGS", ""), _platform.machine(), _host_has_fma())
+    """`cpu_contracts` for the level XLA targets in this process."""
+    return cpu_contracts(_isa.target_level_here())
+
+
 # Measured: XLA:GPU on an H200 (jax 0.11.2) gave float32 relu(x*s+t) the same
 # bits with and without a fusion barrier between mul and add: no contraction.
 _CUDA_F32 = Rounding(False, True, "measured on XLA:GPU, H200, jax 0.11.2")

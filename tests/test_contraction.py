@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from jaxfuse import _numerics
+from jaxfuse import _isa, _numerics
 
 from conftest import assert_bitwise_equal
 from rewrite_support import explain_all, fuse, kernel_active
 
-pytestmark = pytest.mark.skipif(not kernel_active(), reason="needs the CPU kernel (a build with it)")
+pytestmark = [pytest.mark.exactness, pytest.mark.skipif(not kernel_active(), reason="needs the CPU kernel (a build with it)")]
 
 WIDE = [np.float32, np.float64]
 
@@ -164,11 +164,14 @@ def test_narrow_types_round_every_product_so_it_fuses(rng, dtype):
 
 # ----------------------------------------------------------- the ISA XLA targets
 def test_the_fma_rule_follows_the_isa_xla_targets():
-    assert not _numerics.cpu_contracts("--xla_cpu_max_isa=SSE4_2", "x86_64", True)
-    assert not _numerics.cpu_contracts("--xla_cpu_max_isa=avx", "x86_64", True)
-    assert _numerics.cpu_contracts("--xla_cpu_max_isa=AVX2", "x86_64", True)
-    assert not _numerics.cpu_contracts("", "x86_64", False)
-    assert _numerics.cpu_contracts("", "aarch64", False)
+    avx2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
+    level = lambda flags, host=avx2, machine="x86_64": _isa.target_level(flags, machine, host)
+    assert not _numerics.cpu_contracts(level("--xla_cpu_max_isa=SSE4_2"))
+    assert not _numerics.cpu_contracts(level("--xla_cpu_max_isa=avx"))
+    assert _numerics.cpu_contracts(level("--xla_cpu_max_isa=AVX2"))
+    assert _numerics.cpu_contracts(level("--xla_cpu_max_isa=AVX512"))
+    assert not _numerics.cpu_contracts(level("", host=frozenset({"sse4_2", "avx"})))
+    assert _numerics.cpu_contracts(level("", host=frozenset(), machine="aarch64"))
 
 
 _ISA_SCRIPT = textwrap.dedent("""
