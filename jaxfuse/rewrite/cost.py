@@ -45,6 +45,7 @@ from jax import errors as _errors
 from jax import export as _export
 
 from .. import _compat as C
+from .. import _isa
 from .graph import Graph
 
 POLICIES = ("auto", "always", "measure")
@@ -132,6 +133,20 @@ class PlatformFacts:
     """`ConvBand`s: where the kernel pays for a site a convolution feeds (a
     conv net's epilogue). Forms and dtypes without a band use `min_elements`."""
     conv_source: str = ""
+    isa_levels: tuple[str, ...] | None = None
+    """The ISA levels XLA targets (_isa.py) where these facts were measured: on
+    another, the kernel's speed against XLA's code is unknown and `auto` leaves
+    every site to XLA (None: the facts do not depend on the ISA)."""
+    isa_min_elements: Mapping[tuple[str, str], int | None] = dataclasses.field(default_factory=dict)
+    """(ISA level, dtype) -> the threshold on that level where it differs from
+    `min_elements` (None: the kernel lost at every size measured)."""
+    isa_source: str = ""
+
+    def min_elements_for(self, dtype: str, level: str | None):
+        """`min_elements[dtype]`, or the ISA level's own figure where it has one."""
+        if level is not None and (level, dtype) in self.isa_min_elements:
+            return self.isa_min_elements[(level, dtype)]
+        return self.min_elements.get(dtype)
 
     def conv_band(self, facts: "SiteFacts"):
         """The band for a conv-fed site: of those for its form and dtype, the one
@@ -170,6 +185,17 @@ class ConvBand:
 # splits it: probe.py sees that in XLA's compiled program and gives those
 # sites back.
 #
+# ISA levels (_isa.py): the thresholds below were measured on AVX2 hosts,
+# where XLA:CPU's loops and the kernels' AVX2 loops have the same vector width.
+# On an AVX-512 host (AMD EPYC, jax 0.10.2; issue report, 2026-12) XLA's float16
+# loop converts 16 lanes at a time and beat the kernel at every size tried:
+# relu(x + bias) fused took 0.98-1.53x (latency) and 1.10-1.46x (throughput)
+# jit's time from 2^18 to 2^22 elements, while bfloat16 still won (0.75-0.82x)
+# and `jaxfuse-bench --quick` flagged no other dtype. Levels below AVX2 (XLA
+# held to SSE4.2 or AVX, or an older CPU; the kernels then take their baseline
+# loops) and other machines (AArch64) were never measured, so `auto` declines
+# there.
+#
 # Thresholds: `python bench/thresholds.py` measures the smallest size from which
 # the kernel beats XLA's own fusion of the site inside a program, at every
 # larger size, in both timing modes (paired 95% intervals). Each value is the
@@ -203,7 +229,11 @@ PLATFORMS = {
             # at 2^21-2^22 in the single-block program: they keep the float32
             # threshold, 2^23, with no upper end measured.
             *(ConvBand(form, "float32", 0, 1 << 23) for form in ("plain", "bias"))),
-        conv_source="bench/results/thresholds-forms-cpu-2026-12-02.txt"),
+        conv_source="bench/results/thresholds-forms-cpu-2026-12-02.txt",
+        isa_levels=("avx2", "avx512"),
+        isa_min_elements={("avx512", "float16"): None},
+        isa_source="an AVX-512 host: XLA's float16 loop beat the kernel 1.10-1.53x from 2^18 "
+                   "to 2^22 elements"),
     # Measured on an H200 (jax 0.11.2, at 76b89bd): the CUDA add+ReLU kernel took
     # 0.98-1.09x XLA's time for float32/bfloat16 at 2^24..2^28 (ahead only for
     # the bfloat16 bias form), so on CUDA no size pays yet: auto leaves every
@@ -465,8 +495,9 @@ def in_conv_band(facts: SiteFacts | None, platform: str) -> bool:
             and p.conv_band(facts) is not None)
 
 
-def platform_reason(facts: SiteFacts | None, platform: str) -> str | None:
-    """Why the kernel would lose on `platform` (None: it pays)."""
+def platform_reason(facts: SiteFacts | None, platform: str, isa: str | None = None) -> str | None:
+    """Why the kernel would lose on `platform` (None: it pays). `isa`: the ISA
+    level XLA targets there (None: this process's, _isa.py)."""
     if facts is None:
         return None
     if facts.xla_fuses:
@@ -490,6 +521,16 @@ def platform_reason(facts: SiteFacts | None, platform: str) -> str | None:
         return (f"on {platform} the convolution writes NHWC and XLA folds the transpose back "
                 f"to NCHW into its epilogue loop; the custom call's row-major operand would "
                 f"cost a transpose of its own")
+    level = None
+    if p.isa_levels is not None:
+        level = isa or _isa.target_level_here()
+        if level not in p.isa_levels:
+            return (f"on {platform} XLA targets {level}, where the kernel has not been measured "
+                    f"against XLA's code (measured: {', '.join(p.isa_levels)}); "
+                    f"policy='always' or 'measure' fuses it anyway")
+    if (level, facts.dtype) in p.isa_min_elements and p.isa_min_elements[(level, facts.dtype)] is None:
+        return (f"on {platform} targeting {level} the kernel has not beaten XLA's own "
+                f"{facts.dtype} loop at any size measured ({p.isa_source})")
     if facts.dtype in p.min_elements and p.min_elements[facts.dtype] is None:
         return (f"on {platform} the kernel has not beaten XLA's own fusion at any size "
                 f"measured ({p.source})")
@@ -507,7 +548,8 @@ def platform_reason(facts: SiteFacts | None, platform: str) -> str | None:
                     f"a {facts.form} epilogue of {facts.channels} channels after a convolution "
                     f"on {platform} (measured: {p.conv_source})")
         return None
-    smallest = p.form_min_elements.get((facts.form, facts.dtype), p.min_elements.get(facts.dtype))
+    smallest = p.form_min_elements.get((facts.form, facts.dtype),
+                                       p.min_elements_for(facts.dtype, level))
     if smallest is not None and facts.elements < smallest:
         return (f"{facts.elements} elements: below {smallest}, the cost of a custom call on "
                 f"{platform} exceeds what the kernel saves over XLA's loop "
