@@ -19,6 +19,8 @@ from jaxfuse._primitive import epilogue_p, epilogue_reference
 
 from conftest import assert_bitwise_equal, random_operand
 
+pytestmark = pytest.mark.exactness
+
 DTYPES = [np.float32, np.float64, jnp.float16, jnp.bfloat16]
 DTYPE_IDS = ["f32", "f64", "f16", "bf16"]
 

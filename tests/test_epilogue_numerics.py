@@ -16,7 +16,7 @@ from jaxfuse._sharding import local_call
 
 from conftest import assert_bitwise_equal
 
-pytestmark = pytest.mark.skipif(not _kernels.kernels()["cpu"], reason="needs the CPU kernel")
+pytestmark = [pytest.mark.exactness, pytest.mark.skipif(not _kernels.kernels()["cpu"], reason="needs the CPU kernel")]
 
 DTYPES = [np.float32, np.float64, jnp.float16, jnp.bfloat16]
 FORMS = {

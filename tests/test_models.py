@@ -35,6 +35,8 @@ import jaxfuse
 from conftest import assert_bitwise_equal
 from rewrite_support import assert_trees, explain_all, fuse
 
+pytestmark = pytest.mark.exactness
+
 optax = pytest.importorskip("optax", reason="needs the `models` extra (optax)")
 
 BATCH, CLASSES = 8, 4

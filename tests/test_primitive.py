@@ -18,7 +18,9 @@ import jaxfuse
 from jaxfuse import _lowering
 from jaxfuse._primitive import add_relu_p
 
-from conftest import assert_bitwise_equal, random_operand
+from conftest import assert_bitwise_equal, random_operand, skip_without_float16
+
+pytestmark = pytest.mark.exactness
 
 DTYPES = [np.float32, np.float64, jnp.float16, jnp.bfloat16]
 DTYPE_IDS = ["f32", "f64", "f16", "bf16"]
@@ -70,17 +72,23 @@ def test_every_special_pair(dtype):
     with x64(dtype), np.errstate(over="ignore"):  # 7e4 overflows float16 to inf: intended
         a = np.repeat(specials, specials.size).astype(dtype)
         b = np.tile(specials, specials.size).astype(dtype)
-        # same-shape wide types: XLA:CPU's NaN bits are consistent here, so match them
+        got, want = jax.jit(jaxfuse.add_relu)(a, b), reference(a, b)
+        # Same-shape wide types: one NaN operand's bits survive, so match them.
+        # With both operands NaN, XLA's choice follows its codegen (the first's
+        # targeting AVX2, the second's held to SSE4.2): NaN-ness only.
         strict = np.dtype(dtype) in (np.float32, np.float64)
-        assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), reference(a, b), nan_bits=strict)
+        both = np.isnan(a.astype(np.float64)) & np.isnan(b.astype(np.float64))
+        got, want = np.asarray(got), np.asarray(want)
+        assert_bitwise_equal(got[~both], want[~both], nan_bits=strict)
+        assert np.isnan(got[both].astype(np.float64)).all() and np.isnan(want[both].astype(np.float64)).all()
 
 
-def test_rounding_of_narrow_types_is_done_once(rng):
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+def test_rounding_of_narrow_types_is_done_once(rng, dtype):
     """f16/bf16: sums that round differently if rounded twice or not at all."""
-    for dtype in (jnp.float16, jnp.bfloat16):
-        a = rng.uniform(0.5, 4, size=4096).astype(dtype)
-        b = (rng.uniform(-1, 1, size=4096) * 2.0**-9).astype(dtype)
-        assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), reference(a, b))
+    a = rng.uniform(0.5, 4, size=4096).astype(dtype)
+    b = (rng.uniform(-1, 1, size=4096) * 2.0**-9).astype(dtype)
+    assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(a, b), reference(a, b))
 
 
 def test_large_array_uses_all_paths(rng):
@@ -136,7 +144,9 @@ def test_work_split_gets_every_element_right(rng, threads, regions, streaming):
         assert_bitwise_equal(out, want_out)
         np.testing.assert_array_equal(tie, want_tie)
         assert np.asarray(tie).any()
-        assert module.last_store()["streamed"] == (streaming == 1)
+        # Streaming stores come with the AVX2 path (_isa.py: where XLA may use AVX2).
+        vector = module.settings()["vector_path"] == "avx2"
+        assert module.last_store()["streamed"] == (streaming == 1 and vector)
         # The calls above really were split the way this case asks.
         split = module.last_split()
         assert split["calls"] - calls == len(sizes) + 3
@@ -268,6 +278,7 @@ def test_numpy_inputs_are_canonicalized_like_jnp():
 
 
 def test_python_scalars_are_weakly_typed_like_jnp():
+    skip_without_float16()
     half = jnp.ones(3, jnp.float16)
     assert (jaxfuse.add_relu(2.0, 3.0) + half).dtype == jnp.float16
     weak = jax.make_jaxpr(lambda x: jaxfuse.add_relu(x, 2.0))(1.0).jaxpr.outvars[0].aval
@@ -277,6 +288,7 @@ def test_python_scalars_are_weakly_typed_like_jnp():
 @pytest.mark.parametrize("other", [1.0, 2, np.float32(1.5), jnp.float32(1.5), np.ones(3, np.float32)],
                          ids=["py-float", "py-int", "np-float32", "jnp-float32", "f32-array"])
 def test_operands_promote_like_jnp_under_jit_and_grad(rng, other):
+    skip_without_float16()
     x = random_operand(rng, (3,), jnp.float16)
     want = jax.jit(lambda x, y: jnp.maximum(x + y, 0))(x, other)
     for f in (jaxfuse.add_relu, jax.jit(jaxfuse.add_relu)):

@@ -18,7 +18,7 @@ import jaxfuse
 from conftest import assert_bitwise_equal, random_operand
 from rewrite_support import assert_trees, assert_values, fused_count, explain_all, fuse
 
-pytestmark = pytest.mark.filterwarnings("ignore:jaxfuse. no kernel:RuntimeWarning")
+pytestmark = [pytest.mark.exactness, pytest.mark.filterwarnings("ignore:jaxfuse. no kernel:RuntimeWarning")]
 
 
 def residual_block(channels):
