@@ -12,7 +12,7 @@
 #                    "complete": false then)
 #   bench_gpu.png    GB/s vs size with the reference-copy roofline, and the
 #                    model workloads' time ratios to XLA with their 95% intervals
-#   variants.txt     bench/cuda_variants.py: each add+ReLU kernel variant's GB/s
+#   variants.txt     bench/probes/cuda_variants.py: each add+ReLU kernel variant's GB/s
 #                    and time ratio to XLA, and its bits checked against XLA's
 #   summary.txt      one line per step: ok / FAILED
 #
@@ -143,7 +143,7 @@ print("kernels()", jaxfuse.kernels(), "| cuda:", k.why_not("cuda") or "ok")
 set +e
 SO="$(cd "$WORK" && timeout 60 "$PY" -c 'import jaxfuse._cuda_kernels as m; print(m.__file__)' 2>/dev/null)"
 if [[ -n "$SO" ]]; then
-  (cd "$WORK" && timeout 60 "$PY" "$REPO/bench/vector_access.py" --so "$SO" --arch sm_90 \
+  (cd "$WORK" && timeout 60 "$PY" "$REPO/bench/probes/vector_access.py" --so "$SO" --arch sm_90 \
      --match ", 0, 0") >>"$OUT/env.txt" 2>&1
   echo "SASS: exit $?" >>"$OUT/env.txt"
 else
@@ -187,7 +187,7 @@ step "benchmark (exit 124 = timed out; partial JSON kept)" "$BENCH_RC"
 # ------------------------------------------------------------- kernel variants
 if (( VARIANTS_S > 0 )) && [[ $BUILD_RC -eq 0 ]]; then
   set +e
-  (cd "$WORK" && timeout "$VARIANTS_S" "$PY" "$REPO/bench/cuda_variants.py" --reps 11 \
+  (cd "$WORK" && timeout "$VARIANTS_S" "$PY" "$REPO/bench/probes/cuda_variants.py" --reps 11 \
      --out "$OUT/variants.txt") >"$WORK/variants.log" 2>&1
   VARIANTS_RC=$?
   set -e

@@ -106,7 +106,7 @@ class Settings:
     cuda_variant: int = 0
     """JAXFUSE_CUDA_VARIANT: which add+ReLU CUDA kernel variant runs (0-3, see
     csrc/add_relu_cuda.cu); 0, the one validated on an H200, unless a
-    measurement (bench/cuda_variants.py) picks another."""
+    measurement (bench/probes/cuda_variants.py) picks another."""
 
 
 def read(environ=os.environ) -> Settings:

@@ -95,7 +95,7 @@ def configure_cpu(settings: _env.Settings) -> None:
 
 
 def configure_cuda(settings: _env.Settings) -> None:
-    """Hands the CUDA kernel its variant (a timing switch, see bench/cuda_variants.py).
+    """Hands the CUDA kernel its variant (a timing switch, see bench/probes/cuda_variants.py).
 
     The variant is read at launch, not at compile time, so changing it between
     calls of a compiled program changes which kernel runs without recompiling.

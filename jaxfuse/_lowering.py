@@ -101,7 +101,7 @@ def _paced(platform: str, avals_in, avals_out) -> bool:
     on the dispatching thread in step with the caller's loop, and the C
     allocator can hand them out again as memory it has just returned to the
     operating system, so every page faults again. Measured on the 2-core VM
-    with bench/pacing_loop.py (bench/results/cpu-pacing-loop-2026-12-01.txt:
+    with bench/probes/pacing_loop.py (bench/results/cpu-pacing-loop-2026-12-01.txt:
     relu(a + b) in float32, bfloat16 and float16, two input histories, two
     runs), 50 calls back to back, each result dropped: from 512 KiB of output
     the inline kernel lost in 26 of 52 cases, 1.21-4.02x XLA's time with up to

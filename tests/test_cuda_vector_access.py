@@ -12,7 +12,7 @@ import pytest
 from conftest import load_bench_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-vector_access = load_bench_script("vector_access")
+vector_access = load_bench_script("probes/vector_access")
 
 SASS_SAMPLE = """
         Function : _ZN7jaxfuse12_GLOBAL__N_116AddReluVecKernelEv

@@ -212,7 +212,7 @@ VARIANT_SHAPES = [((7,), (7,)), ((1000003,), (1000003,)), ((1025, 4096), (4096,)
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("a_shape,b_shape", VARIANT_SHAPES, ids=str)
 def test_every_kernel_variant_bitwise_equal_xla_gpu(rng, variant, dtype, a_shape, b_shape):
-    # bench/cuda_variants.py times the variants; each must first give XLA's bits
+    # bench/probes/cuda_variants.py times the variants; each must first give XLA's bits
     # (vector tails, a bias carried across grid strides, NaN/Inf via random_operand).
     module = jaxfuse._kernels._modules["cuda"]
     with _x64(dtype):

@@ -163,9 +163,9 @@ def test_the_handlers_ignore_one_pacing_value_and_refuse_more():
 
 
 def test_the_pacing_loop_script_times_an_inline_and_a_paced_program():
-    # bench/pacing_loop.py refuses to time a case unless its "inline" program is
+    # bench/probes/pacing_loop.py refuses to time a case unless its "inline" program is
     # one XLA:CPU runs inline (flop estimate under 1000) and its "paced" one is not.
-    record = load_bench_script("pacing_loop").run_case("float32", 12, "normal", rounds=2)
+    record = load_bench_script("probes/pacing_loop").run_case("float32", 12, "normal", rounds=2)
     assert _lowering._CPU_PACING_MIN_OUTPUT_BYTES == THRESHOLD  # restored
     for mode in ("inline", "paced"):
         for pattern in ("loop", "latency"):
@@ -175,7 +175,7 @@ def test_the_pacing_loop_script_times_an_inline_and_a_paced_program():
 
 
 def test_the_loop_faults_script_times_both_programs_and_counts_faults():
-    records = load_bench_script("loop_faults").run_process([12, 13], rounds=1)
+    records = load_bench_script("probes/loop_faults").run_process([12, 13], rounds=1)
     assert [r["log2"] for r in records] == [12, 13]
     for r in records:
         assert r["xla_us"] > 0 and r["jaxfuse_us"] > 0

@@ -10,8 +10,8 @@ spent on them. Reads either
 
 and prints one line per kernel: demangled and shortened name, then counts.
 
-    python bench/vector_access.py --ptx --arch sm_90
-    python bench/vector_access.py --so path/to/_cuda_kernels*.so
+    python bench/probes/vector_access.py --ptx --arch sm_90
+    python bench/probes/vector_access.py --so path/to/_cuda_kernels*.so
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SASS_FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)", re.M)
 SASS_ACCESS = re.compile(r"\b((?:LDG|STG)(?:\.[A-Z0-9]+)*)\b")
 PTX_FUNC = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+(\S+?)\(", re.M)

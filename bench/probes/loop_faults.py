@@ -11,7 +11,7 @@ anything else that touched fresh memory) and the share of kernel calls whose
 output the kernel found not yet faulted in (``last_store()["fresh_pages"]``,
 probed at one page).  The same command run again can land in a different
 allocator state: that spread is the point.  Usage:
-    python bench/loop_faults.py [--order 20,21,22] [--processes 6] [--rounds 6]
+    python bench/probes/loop_faults.py [--order 20,21,22] [--processes 6] [--rounds 6]
 Run from outside the source tree (or with the package installed).
 """
 

@@ -15,7 +15,7 @@ what is measured): ``relu(a + b)`` at 2^k elements of one dtype, inputs made by
 ``jnp.ones`` or by ``jax.random.normal`` (two allocation histories).  Ratios
 are medians of per-round ratios to XLA with 95% bootstrap intervals
 (jaxfuse.bench.timing.ratio_ci), rounds in a random order.  Usage:
-    python bench/pacing_loop.py [--dtypes float32,bfloat16,float16] [--log2 18,19,20,21]
+    python bench/probes/pacing_loop.py [--dtypes float32,bfloat16,float16] [--log2 18,19,20,21]
                                 [--inputs ones,normal] [--rounds 30]
 Run from outside the source tree (or with the package installed).
 """

@@ -14,7 +14,7 @@ Output, one line per case: GB/s of each (bytes = what the op must move), the
 jaxfuse/XLA time ratio with its 95% bootstrap interval, and the bit check
 (operands hold NaN, +-Inf and -0.0 besides random normals).
 
-Usage: python bench/cuda_variants.py [--reps 15] [--sizes 24,27] [--variants 0,1,2,3] [--out FILE]
+Usage: python bench/probes/cuda_variants.py [--reps 15] [--sizes 24,27] [--variants 0,1,2,3] [--out FILE]
 Run from outside the source tree (or with the package installed), on a GPU.
 """
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         return 2
     module = _kernels._modules["cuda"]
     copy_fn = reference._device_copy_fn(True) if reference.copy_target_available() else None
-    lines = [f"# bench/cuda_variants.py on {dev.device_kind}, jax {jax.__version__}, "
+    lines = [f"# bench/probes/cuda_variants.py on {dev.device_kind}, jax {jax.__version__}, "
              f"python {platform.python_version()}, {datetime.date.today()}",
              "# variant dtype form log2n: GB/s xla | jaxfuse | copy;  jaxfuse/xla time "
              "ratio median [95% CI];  bits == XLA"]

@@ -12,7 +12,7 @@ patterns that decide it:
 
 Ratios are medians of per-round ratios with 95% bootstrap intervals
 (jaxfuse.bench.timing.ratio_ci). Usage:
-    python bench/store_choice.py [--pattern loop,bench] [--dtypes float32] [--reps 60]
+    python bench/probes/store_choice.py [--pattern loop,bench] [--dtypes float32] [--reps 60]
 Run from outside the source tree (or with the package installed).
 """
 
