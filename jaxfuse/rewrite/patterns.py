@@ -31,6 +31,9 @@ from .. import _compat as C
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Match:
+    """One place a `Pattern` matched: the equations it would replace, the
+    values the replacement reads, and what `check` and `build` need."""
+
     root: C.JaxprEqn
     """The equation whose outputs the replacement defines (the site)."""
     eqns: tuple
@@ -58,7 +61,14 @@ class Match:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Pattern:
+    """A fusion rule as code over jaxpr equations: `match(eqn, graph)` offers a
+    `Match` rooted at `eqn` (or None), `check(match, graph)` returns why the site
+    must be left alone (None: safe), `build(match, graph)` returns the
+    equations that replace it. `jaxfuse.rule` builds one from two plain JAX
+    functions; most users never write these by hand."""
+
     name: str
+    """The pattern's name, as `explain` shows it."""
     match: Callable[[C.JaxprEqn, Any], Match | None]
     check: Callable[[Match, Any], str | None]
     build: Callable[[Match, Any], Sequence[C.JaxprEqn]]
