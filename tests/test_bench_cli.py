@@ -13,10 +13,13 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 
 import pytest
+
+import jax
 
 import jaxfuse
 from jaxfuse.bench import cli, compare, reference, report, timing, workloads
@@ -73,6 +76,30 @@ def _records(path):
 
 
 # ------------------------------------------------------------ the real run
+def test_summary_tables_of_a_run(quick_run, capsys):
+    from jaxfuse.bench import summary
+
+    proc, out_json, _ = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _records(out_json)
+    ops = summary.op_table(records)
+    rows = {tuple(c.strip() for c in ln.strip("|").split("|")[:2]): ln for ln in ops[2:]}
+    assert set(rows) == {(d, f"`{w}`") for d in ("float32", "float64")
+                         for w in ("add_relu", "bias_add_relu")}
+    # Two sizes, both timing modes: four verdicts per row, and the median is the records'.
+    for (dtype, form), line in rows.items():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[2] == "2^12–2^16" and sum(map(int, cells[5].split(" / "))) == 4
+        want = statistics.median(r["ratio_median"] for r in records
+                                 if r["mode"] == "jaxfuse" and r["kind"] == "op" and r["dtype"] == dtype
+                                 and f"`{r['workload']}`" == form and r["timing_mode"] == "latency")
+        assert cells[3] == f"{want:.2f}"
+    models = summary.model_table(records)
+    assert [ln.split("|")[1].strip() for ln in models[2:]] == ["`mlp`", "`mlp`"]
+    assert summary.main([str(out_json)]) == 0
+    assert "| `mlp` | float32 |" in capsys.readouterr().out
+
+
 def test_cli_exit_code_table_and_legend(quick_run):
     proc, _, _ = quick_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -525,6 +552,23 @@ def test_roofline_flag_and_summary():
     assert recs[0]["pct_of_roofline"] is None and recs[0]["over_roofline"] is False
     not_ceiling = dict(ref, is_ceiling=False, label="XLA copy (not a ceiling)")
     assert "NOT a ceiling" in report.roofline_summary([], not_ceiling)[0]
+
+
+def test_a_case_that_fits_a_cache_is_held_to_a_copy_of_its_working_set():
+    recs = [_rec("xla", [1e-3], nbytes=int(10.6e6)), _rec("jaxfuse", [1e-3], nbytes=int(5.2e6), impl="kernel")]
+    own = {report.working_set_key(recs[0]): 10.0, report.working_set_key(recs[1]): 2.0}
+    report.set_roofline(recs, 5.0, own)  # the records move 10.6 and 5.2 GB/s
+    assert recs[0]["reference_gbps"] == 10.0 and recs[0]["pct_of_roofline"] == pytest.approx(106)
+    assert recs[0]["over_roofline"] is True
+    # A working-set copy slower than the big one never lowers the ceiling.
+    assert recs[1]["reference_gbps"] == 5.0 and recs[1]["pct_of_roofline"] == pytest.approx(104)
+    lines = report.roofline_summary(recs, {"gbps": 5.0, "label": "CPU copy", "is_ceiling": True})
+    assert "1 op record whose working set fits a cache" in lines[1] and "10.0 GB/s" in lines[1]
+
+
+def test_working_set_copy_times_a_real_copy():
+    gbps = reference.working_set_copy(jax.devices("cpu")[0], 1 << 21, sets=3, reps=2)
+    assert 0.05 < gbps < 10_000  # GB/s: a copy of 1 MiB from three rotated buffers
 
 
 def test_cpu_reference_copy_counts_read_and_write():

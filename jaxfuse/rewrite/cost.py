@@ -218,7 +218,7 @@ PLATFORMS = {
         narrow_matmuls_in_f32=True,
         # relu(a + b) of two full operands: 2^22 elements never lost in a
         # threshold run and read 0.82-0.97x XLA's time in five benchmark runs
-        # (bench/results/README.md); the other forms there keep 2^23 (the
+        # (bench/results/notes/2026-12-01-to-02.md); the other forms there keep 2^23 (the
         # folded BatchNorm read 1.06 LOSES once at 2^22).
         form_min_elements={("plain", "float32"): 1 << 22},
         conv_bands=(*(
