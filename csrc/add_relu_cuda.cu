@@ -31,7 +31,7 @@ constexpr int kMaxRank = 16;          // collapsed rank supported on device
 
 // Kernel variants, chosen at run time (jaxfuse._cuda_kernels.configure, from
 // JAXFUSE_CUDA_VARIANT) so a GPU can time them without a rebuild
-// (bench/cuda_variants.py). The default stays the one validated bit for bit on
+// (bench/probes/cuda_variants.py). The default stays the one validated bit for bit on
 // an H200 until a measurement there picks another.
 //   0  one 16-byte vector per thread per step, up to 8192 blocks
 //   1  two vectors per thread per step (more bytes in flight), a grid sized to
@@ -43,7 +43,7 @@ constexpr int kMaxRank = 16;          // collapsed rank supported on device
 //      default does the rounding in integer code
 // ptxas (sm_90): 26-42 registers for the vector kernels, no spills; a kernel
 // above 32 registers keeps fewer than 8 blocks of 256 resident per SM.
-// PTX (sm_90, nvcc 13.0; bench/vector_access.py, tests/test_cuda_vector_access.py):
+// PTX (sm_90, nvcc 13.0; bench/probes/vector_access.py, tests/test_cuda_vector_access.py):
 // every vector kernel loads 16 bytes per operand (ld.global.nc.v4) and stores
 // 16 (st.global.v4, or st.global.cs.v4 in variants 2-3; there the loads of the
 // scalar tail, under one vector, lose .nc). gpu_check.sh reads the SASS where
