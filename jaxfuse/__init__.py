@@ -11,7 +11,7 @@ from ._kernels import kernels, register_all as _register_all
 from . import _lowering  # noqa: F401  (registers the lowerings)
 from . import tuning  # noqa: F401  (policy="measure": jaxfuse.tuning.cache())
 from .rewrite import (Match, Pattern, Report, RuleError, Site, Skipped, explain, optimize,  # noqa: F401
-                      register_pattern, rule)  # (the fusion pass)
+                      register_pattern, rule, target_platform)  # (the fusion pass)
 
 # FFI targets are registered now, before any backend exists, so a serialized
 # program holding our custom calls runs in a process that only imported jaxfuse.
@@ -20,4 +20,4 @@ _register_all()
 __version__ = "0.2.0"
 __all__ = ["add_relu", "scale_shift_relu", "add_relu_p", "epilogue_p", "SERVED_DTYPES", "kernels",
            "optimize", "explain", "rule", "RuleError", "register_pattern", "Pattern", "Match",
-           "Report", "Site", "Skipped", "tuning"]
+           "Report", "Site", "Skipped", "target_platform", "tuning"]

@@ -307,3 +307,25 @@ def new_var(aval):
 
 def no_effects():
     return _xcore.no_effects
+
+
+def cudnn_version() -> int | None:
+    """cuDNN's version as jax reads it (e.g. 91000), None where jax finds no
+    cuDNN (a CPU-only install)."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+
+        return int(fa.check_cudnn_version())
+    except Exception:  # noqa: BLE001 - missing module, no cuDNN, an old jaxlib
+        return None
+
+
+def gpu_compute_capability() -> tuple[int, int] | None:
+    """The first CUDA GPU's compute capability, e.g. (9, 0) on an H200; None
+    where jax sees none."""
+    try:
+        device = jax.devices("gpu")[0]
+        major, minor = str(getattr(device, "compute_capability")).split(".")[:2]
+        return int(major), int(minor)
+    except Exception:  # noqa: BLE001 - no GPU backend, no attribute
+        return None

@@ -224,3 +224,71 @@ def test_flax_dot_product_attention_with_a_bias_and_a_mask(rng):
     f = lambda q, k, v, bias, mask: nn.dot_product_attention(q, k, v, bias=bias, mask=mask)  # noqa: E731
     assert replaced(f, q, k, v, bias, mask) == ["attention_flax_linen_bias_masked"]
     check(f, q, k, v, bias, mask, grad_argnums=(0, 3))
+
+
+# ------------------------------------------------------- the implementation
+def _avals(b=2, t=8, n=4, h=64, dtype=jnp.bfloat16, kv_heads=None, s=None):
+    q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
+    kv = jax.ShapeDtypeStruct((b, s or t, kv_heads or n, h), dtype)
+    return q, kv, kv
+
+
+@pytest.mark.parametrize("case,platform,cc,cudnn,want,why", [
+    (dict(), "cuda", (9, 0), 91000, "cudnn", ""),
+    (dict(h=128), "cuda", (8, 0), 90000, "cudnn", ""),
+    (dict(h=256), "cuda", (9, 0), 91000, "cudnn", ""),  # Hopper takes up to 256
+    (dict(h=256), "cuda", (8, 6), 91000, "xla", "at most 128"),
+    (dict(h=60), "cuda", (9, 0), 91000, "xla", "multiple of 8"),
+    (dict(dtype=jnp.float32), "cuda", (9, 0), 91000, "xla", "float16 or bfloat16"),
+    (dict(kv_heads=3), "cuda", (9, 0), 91000, "xla", "4 query heads over 3 key heads"),
+    (dict(kv_heads=2), "cuda", (9, 0), 91000, "cudnn", ""),  # grouped queries
+    (dict(), "cuda", (9, 0), None, "xla", "cuDNN is not detected"),
+    (dict(), "cpu", None, None, "xla", "only on NVIDIA GPUs"),
+    (dict(), "rocm", None, None, "xla", "only on NVIDIA GPUs"),
+])
+def test_the_implementation_is_chosen_per_match(case, platform, cc, cudnn, want, why):
+    from jaxfuse.rules.attention import implementation
+
+    q, k, v = _avals(**case)
+    got, reason = implementation(q, k, v, platform=platform, compute_capability=cc,
+                                 cudnn_version=cudnn)
+    assert got == want and why in reason
+
+
+def test_a_bias_needs_even_lengths_and_the_queries_dtype_for_cudnn():
+    from jaxfuse.rules.attention import implementation
+
+    kw = dict(platform="cuda", compute_capability=(9, 0), cudnn_version=91000)
+    q, k, v = _avals(t=7)
+    bias = jax.ShapeDtypeStruct((2, 4, 7, 7), jnp.bfloat16)
+    assert implementation(q, k, v, bias=bias, **kw)[0] == "xla"
+    assert implementation(q, k, v, **kw)[0] == "cudnn"  # odd lengths are fine without a bias
+    q, k, v = _avals(t=8)
+    assert implementation(q, k, v, bias=jax.ShapeDtypeStruct((2, 4, 8, 8), jnp.float32), **kw)[0] == "xla"
+    assert implementation(q, k, v, bias=jax.ShapeDtypeStruct((2, 4, 8, 8), jnp.bfloat16), **kw)[0] == "cudnn"
+
+
+def test_each_platform_gets_its_own_replacement(rng, monkeypatch):
+    # The replacement is traced for the platform being compiled for, and once
+    # per platform: explain for a GPU on this machine asks for a GPU choice.
+    import flax.linen as nn
+    from jaxfuse.rules import attention
+
+    patterns = rules()  # built (and their examples traced) before the spy is in place
+    seen = []
+    real = attention.implementation
+
+    def spy(*args, platform, **kw):
+        seen.append(platform)
+        return real(*args, platform=platform, **kw)
+
+    monkeypatch.setattr(attention, "implementation", spy)
+    q, k, v = (_x(rng, 3, 10, 2, 24) for _ in range(3))  # shapes no other test traces
+    f = lambda q, k, v: nn.dot_product_attention(q, k, v)  # noqa: E731
+    for platform in ("cpu", "cuda", "cpu"):
+        report = jaxfuse.explain(jaxfuse.optimize(f, patterns=patterns), q, k, v, platform=platform)
+        assert [s.pattern for s in report.fused] == ["attention_flax_linen"], str(report)
+    assert seen == ["cpu", "cuda"], seen  # traced once per platform, then cached
+    # Here cuDNN is absent, so even the GPU's program takes the XLA path.
+    assert real(q, k, v, platform="cuda", compute_capability=None,
+                cudnn_version=jaxfuse._compat.cudnn_version())[0] == "xla"

@@ -22,6 +22,7 @@ from .graph import Graph
 from .patterns import Match, Pattern, register_pattern, registered_patterns, unregister_pattern
 from .report import Report, Site, Skipped
 from .rules import RuleError, rule
+from .target import target_platform
 from .walker import rewrite
 
 for _p in _BUILTIN:
@@ -30,5 +31,5 @@ for _p in _BUILTIN:
 __all__ = [
     "optimize", "explain", "rewrite",
     "Pattern", "Match", "Graph", "register_pattern", "unregister_pattern", "registered_patterns",
-    "Report", "Site", "Skipped", "rule", "RuleError",
+    "Report", "Site", "Skipped", "rule", "RuleError", "target_platform",
 ]

@@ -26,6 +26,7 @@ from . import cost as _cost
 from . import probe as _probe
 from .patterns import resolve
 from .report import Report
+from .target import targeting
 from .walker import rewrite
 
 _INFO = "_jaxfuse_optimized"
@@ -185,13 +186,14 @@ def rewrite_for(closed, patterns, policy: str, platform: str | None, origin=None
     fuses with their neighbours settled (probe.py: timed when `time_it`):
     (jaxpr, report)."""
     model = _cost_model(policy, platform)
-    new, report = rewrite(closed, patterns, origin, cost=model)
-    if model is not None and platform == trace_platform():
-        new, report = _probe.settle(
-            closed, new, report, model,
-            lambda give_back: rewrite(closed, patterns, origin,
-                                      cost=_cost.CostModel(platform, give_back)),
-            patterns=patterns, tuner=tuner, time_it=time_it)
+    with targeting(platform or trace_platform()):
+        new, report = rewrite(closed, patterns, origin, cost=model)
+        if model is not None and platform == trace_platform():
+            new, report = _probe.settle(
+                closed, new, report, model,
+                lambda give_back: rewrite(closed, patterns, origin,
+                                          cost=_cost.CostModel(platform, give_back)),
+                patterns=patterns, tuner=tuner, time_it=time_it)
     return new, report
 
 

@@ -37,6 +37,7 @@ applies at every safe site whatever the policy: the user asked for it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Callable, Sequence
 
@@ -47,6 +48,7 @@ import jax
 from .. import _compat as C
 from .graph import Graph, output_index
 from .patterns import Match, Pattern
+from .target import target_platform
 
 # Steps that only change how a value is laid out or typed, not its elements.
 _SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
@@ -373,10 +375,17 @@ class _Rule:
         return found
 
     def replacement_call(self, avals):
-        key = ("replacement", _signature(avals))
+        # Per platform too: a replacement may choose its implementation by
+        # `jaxfuse.target_platform()` (the attention rules pick cuDNN on a GPU).
+        key = ("replacement", target_platform(), _signature(avals))
         found = self._templates.get(key)
         if found is None:
-            named = jax.jit(self.replacement)
+            # A fresh function per miss: jax caches a jit's trace by function,
+            # and would hand back another platform's trace of the same one.
+            def call(*args):
+                return self.replacement(*args)
+
+            named = jax.jit(functools.update_wrapper(call, self.replacement))
             closed = jax.make_jaxpr(named)(*avals)
             found = self._templates[key] = closed
         return found

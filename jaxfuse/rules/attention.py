@@ -20,7 +20,9 @@ the matched shapes (jaxfuse.rule re-traces and compares them):
               as models call it), q / sqrt(d), softmax in float32
 
 The scale is the layer's own 1/sqrt(d), d the head size: a static shape, so a
-Python float. Masks are bool (a float mask means `mask != 0`, as `jnp.where`
+Python float. The implementation is chosen per match (`implementation`):
+cuDNN's fused kernel on an NVIDIA GPU where its preconditions hold, XLA's
+path elsewhere. Masks are bool (a float mask means `mask != 0`, as `jnp.where`
 reads it). Values agree with the hand-written form within float32 rounding
 (tests/test_attention_rule.py); the gradient is jax.nn's.
 """
@@ -33,7 +35,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from .. import _compat as C
 from ..rewrite.rules import rule
+from ..rewrite.target import target_platform
 
 _B, _T, _N, _H = 2, 8, 4, 16  # example shapes the spellings are first traced at
 
@@ -48,10 +52,44 @@ def _mask_example(batch: bool = True):
     return jax.ShapeDtypeStruct(shape, jnp.bool_)
 
 
+def implementation(q, k, v, *, bias=None, platform: str, compute_capability=None,
+                   cudnn_version=None) -> tuple[str, str]:
+    """Which `jax.nn.dot_product_attention` implementation a match gets, and why.
+
+    `implementation=None` is the XLA path on every platform (jax 0.10, 0.11),
+    so the choice is made here, per match: "cudnn" (cuDNN's fused flash
+    attention) only where its preconditions hold, as jax's own check states
+    them: an NVIDIA GPU with cuDNN, float16/bfloat16, equal dtypes, a head
+    size that is a multiple of 8 and at most 128 (256 from compute capability
+    9.0, Hopper), the same head size for values, head counts that divide
+    (grouped queries), and even sequence lengths where a bias is added (its
+    gradient's requirement). Anything else gets "xla", with the reason.
+    `q`, `k`, `v`: arrays or avals of shape (B, T, N, H)."""
+    if platform not in ("cuda", "gpu"):
+        return "xla", f"{platform}: cuDNN's fused attention runs only on NVIDIA GPUs"
+    if cudnn_version is None:
+        return "xla", "cuDNN is not detected"
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (jnp.float16, jnp.bfloat16):
+        return "xla", f"{q.dtype}: cuDNN's fused attention takes float16 or bfloat16"
+    head, limit = q.shape[-1], 256 if (compute_capability or (0, 0)) >= (9, 0) else 128
+    if head % 8 or head > limit:
+        return "xla", f"head size {head}: cuDNN needs a multiple of 8, at most {limit}"
+    if v.shape[-1] != head or k.shape[-1] != head:
+        return "xla", "query, key and value head sizes differ"
+    if q.shape[-2] % k.shape[-2]:
+        return "xla", f"{q.shape[-2]} query heads over {k.shape[-2]} key heads"
+    if bias is not None and bias.dtype != q.dtype:
+        return "xla", f"a {bias.dtype} bias with {q.dtype} queries"
+    if bias is not None and (q.shape[-3] % 2 or k.shape[-3] % 2):
+        return "xla", f"sequence lengths {q.shape[-3]}, {k.shape[-3]}: with a bias cuDNN needs them even"
+    return "cudnn", ""
+
+
 def _fused(q, k, v, mask=None, bias=None):
     """jax.nn.dot_product_attention on (..., T, N, H), any number of leading
     batch dimensions (flattened into one), the layer's scale; mask and bias
-    broadcast to (..., N, T, S) as the layers broadcast them."""
+    broadcast to (..., N, T, S) as the layers broadcast them; the
+    implementation chosen for the platform being compiled for."""
     lead = q.shape[:-3]
     scale = 1.0 / math.sqrt(q.shape[-1])
     logits = (*lead, q.shape[-2], q.shape[-3], k.shape[-3])
@@ -63,8 +101,14 @@ def _fused(q, k, v, mask=None, bias=None):
         mask = four(jnp.broadcast_to(mask if mask.dtype == jnp.bool_ else mask != 0, logits))
     if bias is not None:
         bias = four(jnp.broadcast_to(bias, logits))
-    out = jax.nn.dot_product_attention(four(q), four(k), four(v), bias=bias, mask=mask,
-                                       scale=scale)
+    q4, k4, v4 = four(q), four(k), four(v)
+    platform = target_platform()
+    gpu = platform in ("cuda", "gpu")
+    impl, _ = implementation(q4, k4, v4, bias=bias, platform=platform,
+                             compute_capability=C.gpu_compute_capability() if gpu else None,
+                             cudnn_version=C.cudnn_version() if gpu else None)
+    out = jax.nn.dot_product_attention(q4, k4, v4, bias=bias, mask=mask, scale=scale,
+                                       implementation=impl)
     return out.reshape(q.shape[:-1] + v.shape[-1:])
 
 
