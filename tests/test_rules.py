@@ -142,6 +142,19 @@ def test_where_sees_constant_values(rng):
     assert calls_of(jaxfuse.optimize(f, patterns=[r]), x, name="scale") == 1
 
 
+def test_a_declined_first_candidate_does_not_hide_a_second_that_passes(rng):
+    # `x * c` matches `2.0 * x` in both operand orders; `where` declines the
+    # first (c bound to x) and takes the second (c bound to the constant).
+    r = jaxfuse.rule(lambda x, c: jnp.tanh(x * c), lambda x, c: jnp.tanh(x * c), name="tanh_scale",
+                     where=lambda x, c: isinstance(c, np.ndarray) and not isinstance(x, np.ndarray))
+    c = np.full((4,), 2.0, np.float32)
+    f = lambda x: jnp.tanh(c * x)  # noqa: E731  (the constant first: the pattern's other order)
+    x = _normal(rng, 4)
+    opt = jaxfuse.optimize(f, patterns=[r])
+    assert calls_of(opt, x, name="tanh_scale") == 1, str(jaxfuse.explain(opt, x))
+    assert_bitwise_equal(opt(x), jax.jit(f)(x))
+
+
 # ------------------------------------------------------------- declined sites
 def test_an_interior_value_with_a_second_use_is_declined_with_the_reason(rng):
     r = jaxfuse.rule(dense_gelu, _counting_gelu(), name="rule_dense_gelu")

@@ -406,15 +406,20 @@ class _Rule:
             if head != eqn.primitive.name:
                 continue
             loose = _Matcher(template, graph, exact=False)
-            near = None
+            near, offered = None, False
+            # Every binding that re-traces exactly, in order: the walker takes
+            # the first `check` passes (`where` may decline one operand order
+            # and accept the other).
             for state, _ in loose.outputs(eqn, _State({}, {})):
                 found = self._verify(k, template, state, eqn, graph)
                 if found is not None and "reason" not in found.info:
+                    offered = True
                     yield found
-                    return
-                near = near or found
-            if near is not None:
+                else:
+                    near = near or found
+            if not offered and near is not None:
                 yield near  # declined, with the reason `explain` shows
+            if offered or near is not None:
                 return
 
     def _verify(self, k, template, state, root, graph) -> Match | None:

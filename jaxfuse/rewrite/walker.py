@@ -144,6 +144,7 @@ class _Walk:
             declined = []
             for pattern in self._patterns_for(root):
                 fused = False
+                first_declined = None  # what `explain` shows when no candidate passes
                 for m in _candidates(pattern, root, graph):
                     m = _with_root(m)
                     if _inside_one_call(m, graph):
@@ -168,10 +169,14 @@ class _Walk:
                         sites.append(self._site(pattern, m, None, declined))
                         fused = True
                         break
-                    declined.append((pattern, m, reason or cost_reason, reason is None))
-                    break  # a pattern reports its first candidate's reason
+                    if first_declined is None:
+                        first_declined = (pattern, m, reason or cost_reason, reason is None)
+                    if reason is None:
+                        break  # declined for cost: the site's, whichever operand order binds it
                 if fused:
                     break
+                if first_declined is not None:
+                    declined.append(first_declined)
             else:
                 if declined:
                     pattern, m, reason, for_cost = declined[0]
