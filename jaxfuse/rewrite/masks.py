@@ -13,7 +13,8 @@ where recomputing `v` would read every operand again):
   v == 0  ==  tie
   v != 0  ==  not tie                 (NaN: true on both sides)
   v >= 0  ==  out > 0 or tie          (also eq(v, out))
-  v <  0  ==  out == 0 and not tie    (also ne(v, out))
+  v <  0  ==  out == 0 and not tie
+  ne(v, out) == not (out > 0 or tie)  (v < 0 or v NaN: NaN != NaN)
 
 tests/test_masks.py checks every row on NaN, +-inf, +-0 and denormals.
 """
@@ -33,7 +34,8 @@ from .graph import Graph
 # comparison -> the same test with its operands swapped
 _SWAP = {"gt": "lt", "lt": "gt", "ge": "le", "le": "ge", "eq": "eq", "ne": "ne"}
 # v <kind> 0, as out/tie expressions: (needs tie, builder)
-NEEDS_TIE = {"gt": False, "le": False, "eq": True, "ne": True, "ge": True, "lt": True}
+NEEDS_TIE = {"gt": False, "le": False, "eq": True, "ne": True, "ge": True, "lt": True,
+             "not_ge": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +63,9 @@ def classify(eqn, v, out, graph: Graph) -> MaskUse | None:
     if a is not v:
         return None
     if b is out and out is not None:
-        # v == max(v, 0) iff v >= 0; v != out iff v < 0 (NaN: never equal).
-        kind = {"eq": "ge", "ne": "lt"}.get(name)
+        # v == max(v, 0) iff v >= 0; v != out iff not v >= 0, which is v < 0
+        # or v NaN (NaN != NaN): not "lt", which a NaN fails.
+        kind = {"eq": "ge", "ne": "not_ge"}.get(name)
         return MaskUse(eqn, kind) if kind else None
     if _zero_atom(b, graph) and tuple(b.aval.shape) in ((), tuple(v.aval.shape)):
         return MaskUse(eqn, name, zero=b if not tuple(b.aval.shape) else None)
@@ -115,6 +118,9 @@ def build(masks, out_var, tie_var, like) -> list:
             emit(lax.not_p, [tie_var], target)
         elif m.kind == "ge":
             emit(lax.or_p, [emit(lax.gt_p, [out_var, zero], fresh()), tie_var], target)
+        elif m.kind == "not_ge":
+            ge = emit(lax.or_p, [emit(lax.gt_p, [out_var, zero], fresh()), tie_var], fresh())
+            emit(lax.not_p, [ge], target)
         else:  # lt
             emit(lax.and_p, [emit(lax.eq_p, [out_var, zero], fresh()),
                              emit(lax.not_p, [tie_var], fresh())], target)
