@@ -46,8 +46,6 @@ struct Form {
   static constexpr bool kNarrowEachOp = NarrowEachOp;
 };
 
-using AddForm = Form<false, false, false, false, false>;  // add_relu: x + t
-
 // Operand slots of jaxfuse_epilogue, in the order its handlers receive the
 // operands present (the lowering passes them in this order).
 enum Slot { kX = 0, kM = 1, kQ = 2, kS = 3, kT = 4, kR = 5, kSlots = 6 };

@@ -74,7 +74,7 @@ _lower_add_relu_reference = _reference_lowering(
 _lower_epilogue_reference = _reference_lowering(epilogue_reference, multiple_results=True)
 
 
-def _why_not_kernel(ctx, platform: str, target: str) -> str | None:
+def _why_not_kernel(platform: str) -> str | None:
     """Why this site must not use the kernel on `platform` (None: it may)."""
     if DISABLE_KERNELS.value:
         return "kernels disabled"
@@ -124,7 +124,7 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
         facts = params.get("cost")
         if PROBING.value and facts is not None and facts.probe >= 0:
             return reference(C.with_name_scope(ctx, f"{PROBE_SCOPE}{facts.probe}"), *args, **params)
-        why = _why_not_kernel(ctx, platform, target)
+        why = _why_not_kernel(platform)
         if why is not None:
             if why != "kernels disabled":
                 _warn_fallback(ctx, platform, why)

@@ -88,18 +88,6 @@ class Leaf(Node):
 
 
 @dataclasses.dataclass(frozen=True)
-class Value(Node):
-    """Any value, bound to `name` as the atom itself."""
-
-    name: str
-
-    def match(self, atom, graph, state):
-        s = state.bind(self.name, atom)
-        if s is not None:
-            yield s
-
-
-@dataclasses.dataclass(frozen=True)
 class Op(Node):
     """A value produced by one equation of primitive `name` whose operands
     match `args` (in either order when `commutative`)."""

@@ -40,10 +40,6 @@ def rewrite(closed: C.ClosedJaxpr, patterns: Sequence[Pattern],
                        platform=getattr(cost, "platform", None))
 
 
-def _join(path: str, segment: str) -> str:
-    return f"{path}/{segment}" if path else segment
-
-
 class _Walk:
     def __init__(self, patterns: Sequence[Pattern], origin=None, cost=None):
         self.origin = origin
