@@ -203,7 +203,7 @@ class Progress:
 
 def working_set_key(record: dict) -> str:
     """The key of a record's working-set reference: its bytes and input sets."""
-    return f"{int(record['bytes'])}x{record.get('buffer_sets') or 1}"
+    return f"{int(record.get('bytes') or 0)}x{record.get('buffer_sets') or 1}"
 
 
 def set_roofline(records: Sequence[dict], reference_gbps: float | None,
