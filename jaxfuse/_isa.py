@@ -98,8 +98,13 @@ def target_level_here() -> str:
     return target_level(os.environ.get("XLA_FLAGS", ""), _platform.machine(), host_flags())
 
 
+def has_avx2(level: str) -> bool:
+    """Whether an x86 level includes AVX2 and FMA."""
+    return level in ("avx2", "avx512")
+
+
 def kernel_vector_path(level: str) -> str:
     """The CPU kernels' vector path for XLA's level: "avx2" (AVX2, FMA, F16C
     loops) where XLA itself may use AVX2, else "baseline" (plain x86-64 loops).
     The kernels' CPUID check still applies on top."""
-    return "avx2" if level in ("avx2", "avx512") else "baseline"
+    return "avx2" if has_avx2(level) else "baseline"

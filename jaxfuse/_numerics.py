@@ -11,7 +11,6 @@ kernel with XLA on that platform and fail when an entry is wrong.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
@@ -40,7 +39,7 @@ def cpu_contracts(level: str) -> bool:
     """Whether XLA:CPU contracts a multiply into an add when it targets ISA
     `level` (_isa.py): on x86-64 from AVX2, which brings FMA; other machines
     (AArch64) always have fused multiply-add and are assumed to contract too."""
-    return level in ("avx2", "avx512") or not _isa.is_x86(level)
+    return _isa.has_avx2(level) or not _isa.is_x86(level)
 
 
 def cpu_contracts_here() -> bool:

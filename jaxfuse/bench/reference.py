@@ -66,8 +66,10 @@ def cpu_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _timed_copies(dst, src, threads: int, chunks: int, reps: int) -> list[float]:
-    nbytes = src.nbytes
+def _timed_copies(dst, srcs, threads: int, chunks: int, reps: int) -> list[float]:
+    """Seconds per copy of each sample: `threads` threads copy `chunks` slices
+    of every buffer in `srcs` into `dst`, a chunk's slice of each in a row."""
+    nbytes = dst.nbytes
     bounds = np.linspace(0, nbytes, chunks + 1).astype(np.int64) // 64 * 64
     bounds[-1] = nbytes
     slices = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -84,7 +86,8 @@ def _timed_copies(dst, src, threads: int, chunks: int, reps: int) -> list[float]
             if i >= len(slices):
                 return
             a, b = slices[i]
-            np.copyto(dst[a:b], src[a:b])
+            for src in srcs:
+                np.copyto(dst[a:b], src[a:b])
 
     samples = []
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -94,7 +97,7 @@ def _timed_copies(dst, src, threads: int, chunks: int, reps: int) -> list[float]
             for f in [pool.submit(worker, counter) for _ in range(threads)]:
                 f.result()
             if r:
-                samples.append(time.perf_counter() - t0)
+                samples.append((time.perf_counter() - t0) / len(srcs))
     return samples
 
 
@@ -116,8 +119,8 @@ def cpu_copy(cache_bytes: int, *, reps: int = 5, threads: int | None = None,
     dst = np.empty_like(src)
     dst.fill(0)
     reps = max(1, reps)
-    multi = _timed_copies(dst, src, threads, threads, reps)
-    single = _timed_copies(dst, src, 1, 1, reps) if threads > 1 else multi
+    multi = _timed_copies(dst, [src], threads, threads, reps)
+    single = _timed_copies(dst, [src], 1, 1, reps) if threads > 1 else multi
     del src, dst
     med_m, med_1 = statistics.median(multi), statistics.median(single)
     use_single = med_1 < med_m
@@ -220,28 +223,10 @@ def working_set_copy(device, moved_bytes: int, sets: int = 1, *, reps: int = 5) 
         return device_copy(device, 0, nbytes=n, reps=reps).gbps
     srcs = [np.full(n, k % 251 + 1, np.uint8) for k in range(max(1, sets))]
     dst = np.zeros(n, np.uint8)
-
-    def rate(threads: int) -> float:
-        bounds = np.linspace(0, n, threads + 1).astype(np.int64) // 64 * 64
-        bounds[-1] = n
-        slices = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-
-        def worker(lo, hi):
-            for src in srcs:
-                np.copyto(dst[lo:hi], src[lo:hi])
-
-        samples = []
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            for r in range(max(1, reps) + 1):  # the first warms the caches and threads
-                t0 = time.perf_counter()
-                for f in [pool.submit(worker, a, b) for a, b in slices]:
-                    f.result()
-                if r:
-                    samples.append((time.perf_counter() - t0) / len(srcs))
-        return 2 * n / statistics.median(samples) / 1e9
-
     threads = cpu_threads()
-    return max(rate(threads), rate(1)) if threads > 1 else rate(1)
+    counts = (threads, 1) if threads > 1 else (1,)
+    return max(2 * n / statistics.median(_timed_copies(dst, srcs, t, t, max(1, reps))) / 1e9
+               for t in counts)
 
 
 def measure(device, cache_bytes: int, *, reps: int = 5) -> Reference:
