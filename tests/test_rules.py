@@ -394,3 +394,90 @@ def test_a_rule_in_every_body_the_walker_enters(rng, wrap):
     opt = jaxfuse.optimize(f, patterns=[r])
     assert calls_of(opt, x, b, name="tanh3") == 1, wrap
     assert_close(opt(x, b), jax.jit(f)(x, b))
+
+
+# ------------------------------------------------------------ canonical forms
+def _scores(q, k):
+    return jnp.tanh(jnp.einsum("bqd,bkd->bqk", q, k))
+
+
+_QK = (jax.ShapeDtypeStruct((2, 3, 4), jnp.float32),) * 2  # examples: other shapes than matched
+
+
+def _dims(lhs_contract, rhs_contract, batch=((0,), (0,))):
+    return ((lhs_contract, rhs_contract), batch)
+
+
+@pytest.mark.parametrize("spelling", [
+    lambda q, k: jnp.tanh(q @ k.transpose(0, 2, 1)),
+    # the operands the other way round, the result transposed back
+    lambda q, k: jnp.tanh(jax.lax.dot_general(k, q, _dims((2,), (2,))).transpose(0, 2, 1)),
+    # batch dimension last on one operand: a transpose the contraction absorbs
+    lambda q, k: jnp.tanh(jax.lax.dot_general(q, k.transpose(1, 2, 0), _dims((2,), (1,), ((0,), (2,))))),
+    # the batch vmapped
+    lambda q, k: jnp.tanh(jax.vmap(lambda a, b: a @ b.T)(q, k)),
+    # the result transposed: the pattern with q and k in each other's places
+    lambda k, q: jnp.tanh(jnp.einsum("bqd,bkd->bkq", q, k)),
+])
+def test_one_contraction_in_any_layout(rng, spelling):
+    r = jaxfuse.rule(_scores, lambda q, k: jnp.tanh(jnp.einsum("bqd,bkd->bqk", q, k)),
+                     name="scores", example_args=_QK)
+    q, k = _normal(rng, 2, 5, 3), _normal(rng, 2, 7, 3)
+    opt = jaxfuse.optimize(spelling, patterns=[r])
+    assert calls_of(opt, q, k, name="scores") == 1
+    assert_close(opt(q, k), jax.jit(spelling)(q, k))
+
+
+@pytest.mark.parametrize("other", [
+    lambda q, k: jnp.tanh(jnp.einsum("bqd,bdk->bqk", q, k)),  # contracts k's other axis
+    lambda q, k: jnp.tanh(jnp.einsum("bqd,bkd->bqk", q, k.transpose(0, 2, 1))),
+])
+def test_another_contraction_of_the_same_shapes_is_not_matched(rng, other):
+    # square operands, so only the einsum tells the programs apart
+    r = jaxfuse.rule(_scores, lambda q, k: jnp.zeros((q.shape[0], q.shape[1], k.shape[1])),
+                     name="scores", example_args=_QK)
+    q, k = _normal(rng, 2, 4, 4), _normal(rng, 2, 4, 4)
+    opt = jaxfuse.optimize(other, patterns=[r])
+    assert calls_of(opt, q, k, name="scores") == 0
+    assert_bitwise_equal(opt(q, k), jax.jit(other)(q, k))
+
+
+def test_a_division_by_a_constant_is_a_multiplication_by_its_reciprocal(rng):
+    def pattern(x):
+        return jnp.tanh(x / jnp.sqrt(3.0).astype(x.dtype))  # folded: a constant
+
+    r = jaxfuse.rule(pattern, lambda x: jnp.tanh(x * 0.5773502691896258), name="scaled_tanh")
+    x = _normal(rng, 6, 5)
+    for f, n in [(lambda x: jnp.tanh(x * (1 / np.sqrt(3.0))), 1),
+                 (lambda x: jnp.tanh((1 / np.sqrt(3.0)) * x), 1),
+                 (lambda x: jnp.tanh(x / 1.7320508075688772), 1),   # a literal
+                 (lambda x: jnp.tanh(x * 0.5), 0),                  # another constant
+                 (lambda x, c=jnp.float32(3.0): jnp.tanh(x / jnp.sqrt(c + x[0, 0] * 0)), 0)]:
+        opt = jaxfuse.optimize(f, patterns=[r])
+        assert calls_of(opt, x, name="scaled_tanh") == n, f
+        assert_close(opt(x), jax.jit(f)(x))
+    report = jaxfuse.explain(jaxfuse.optimize(lambda x: jnp.tanh(x * 0.5), patterns=[r]), x)
+    (site,) = report.sites
+    assert not site.fused and "does not re-trace" in site.reason
+
+
+def test_constants_fold_only_where_the_host_computes_xlas_value():
+    from jaxfuse.rewrite.graph import Graph
+
+    def f(x, i):
+        scale = jnp.sqrt(jnp.float32(16.0)).astype(jnp.float32) * 2  # 8.0, exactly
+        third = jax.lax.div(jnp.int32(7), jnp.int32(2))  # integer division: not folded
+        e = jnp.exp(jnp.float32(1.0))  # not correctly rounded everywhere: not folded
+        y = x
+        for _ in range(3000):  # a long chain of arithmetic on a non-constant
+            y = y + 1.0
+        return x * scale, i + third, x * e, y
+
+    closed = jax.make_jaxpr(f)(jnp.ones(3), jnp.int32(1))
+    g = Graph(closed.jaxpr, closed.consts)
+    scale, third, e, y = (next(e for e in closed.jaxpr.eqns if o in e.outvars).invars
+                          for o in closed.jaxpr.outvars)
+    assert float(g.const_value(scale[1])) == 8.0
+    assert g.const_value(third[1]) is None
+    assert g.const_value(e[1]) is None
+    assert g.const_value(closed.jaxpr.outvars[3]) is None  # bounded: no recursion error

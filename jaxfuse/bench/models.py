@@ -485,7 +485,7 @@ def _linen_attention(size, dtype, key):
     return Spec(model.apply, params, (((batch, tokens, dim), "normal"),), (batch, tokens, dim),
                 note="flax.linen encoder block: LayerNorm, attention (head size 64), MLP; "
                      "jaxfuse modes add the attention rule",
-                rules=tuple(jaxfuse.rules.attention.rules(["flax_linen"])))
+                rules=tuple(jaxfuse.rules.attention.rules()))
 
 
 def _eqx_mlp_train(size, dtype, key):

@@ -10,6 +10,7 @@ import numpy as np
 import jax
 
 from .. import _compat as C
+from .canonical import FOLDABLE, fold
 
 # Equations that only reshape or retype a constant: looking through them keeps
 # its value known (a broadcast zero is still zero, int 0 converts to +0.0).
@@ -22,6 +23,9 @@ _CONST_PRESERVING = {
     # shard_map marks a replicated constant as varying over manual axes: same value
     "pvary": lambda v, p: v,
 }
+
+
+_FOLD_DEPTH = 8
 
 
 class Graph:
@@ -110,21 +114,40 @@ class Graph:
         outer = {v: (self, a) for v, a in zip(jaxpr.invars, operands)}
         return Graph(jaxpr, consts, outer)
 
-    def const_value(self, atom) -> np.ndarray | None:
+    def const_value(self, atom, _depth: int = 0) -> np.ndarray | None:
         """The value of `atom` when it is provably a constant, else None."""
         lit = C.literal_value(atom)
         if lit is not None:
             return lit
+        if _depth == 0 and C.is_var(atom):
+            key = ("const_value", atom)
+            if key not in self._memo:
+                self._memo[key] = self._const_value(atom, 0)
+            return self._memo[key]
+        return self._const_value(atom, _depth)
+
+    def _const_value(self, atom, _depth: int) -> np.ndarray | None:
         if atom in self._consts:
             return _concrete(self._consts[atom])
         if atom in self._outer:
             graph, outer_atom = self._outer[atom]
-            return graph.const_value(outer_atom)
+            return graph.const_value(outer_atom, _depth)
         eqn = self.producer(atom)
-        if eqn is None or eqn.effects or eqn.primitive.name not in _CONST_PRESERVING:
+        if eqn is None or eqn.effects:
             return None
+        if eqn.primitive.name not in _CONST_PRESERVING:
+            # arithmetic on constants (flax's `jnp.sqrt(depth).astype(dtype)`),
+            # a few steps deep: what a scale or a fill is computed by
+            if eqn.primitive.name not in FOLDABLE or _depth >= _FOLD_DEPTH:
+                return None
+            values = []
+            for a in eqn.invars:
+                values.append(self.const_value(a, _depth + 1))
+                if values[-1] is None:
+                    return None
+            return fold(eqn, values)
         # pvary takes several operands; its i-th result is its i-th operand
-        src = self.const_value(eqn.invars[output_index(eqn, atom)])
+        src = self.const_value(eqn.invars[output_index(eqn, atom)], _depth)
         if src is None:
             return None
         return _CONST_PRESERVING[eqn.primitive.name](src, eqn.params)

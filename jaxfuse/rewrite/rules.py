@@ -46,6 +46,7 @@ import numpy as np
 import jax
 
 from .. import _compat as C
+from .canonical import close_to_reciprocal, contraction
 from .graph import Graph, output_index
 from .patterns import Match, Pattern
 from .target import target_platform
@@ -66,7 +67,7 @@ class RuleError(TypeError):
 
 
 # ------------------------------------------------------------------ templates
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Template:
     """A pattern traced at one signature: equations to match, consts by var."""
 
@@ -76,6 +77,22 @@ class _Template:
     @property
     def out_avals(self):
         return tuple(v.aval for v in self.jaxpr.outvars)
+
+    @functools.cached_property
+    def graph(self) -> Graph:
+        """Its uses and constants (arithmetic on constants folded)."""
+        return Graph(self.jaxpr, [self.consts[v] for v in self.jaxpr.constvars])
+
+    @functools.cached_property
+    def contractions(self) -> dict:
+        """id(var) -> the contraction computing it, for the vars one computes."""
+        found = {}
+        for e in self.jaxpr.eqns:
+            for v in e.outvars:
+                c = contraction(v, self.graph.producer, lambda a: self.graph.uses(a) == 1)
+                if c is not None:
+                    found[id(v)] = c
+        return found
 
 
 def _abstract(x):
@@ -113,15 +130,27 @@ class _State:
     bound: dict        # id(pattern invar) -> program atom
     mapped: dict       # id(pattern eqn) -> program eqn
     used: frozenset = frozenset()  # ids of the program equations mapped
+    absorbed: tuple = ()  # program equations a canonical form took in (a contraction's transposes)
 
     def bind(self, var, atom):
         old = self.bound.get(id(var))
         if old is not None:
             return self if old is atom else None
-        return _State({**self.bound, id(var): atom}, self.mapped, self.used)
+        return dataclasses.replace(self, bound={**self.bound, id(var): atom})
 
-    def map(self, p_eqn, g_eqn):
-        return _State(self.bound, {**self.mapped, id(p_eqn): g_eqn}, self.used | {id(g_eqn)})
+    def map(self, p_eqn, g_eqn, *, absorbing=()):
+        return _State(self.bound, {**self.mapped, id(p_eqn): g_eqn},
+                      self.used | {id(g_eqn)} | {id(e) for e in absorbing},
+                      self.absorbed + tuple(absorbing))
+
+    def program_eqns(self) -> tuple:
+        """Every program equation the match takes, each once."""
+        seen, out = set(), []
+        for e in (*self.mapped.values(), *self.absorbed):
+            if id(e) not in seen:
+                seen.add(id(e))
+                out.append(e)
+        return tuple(out)
 
 
 class _Matcher:
@@ -131,6 +160,7 @@ class _Matcher:
         self.t, self.graph, self.exact = template, graph, exact
         self.invars = {id(v) for v in template.jaxpr.invars}
         self.producer = {id(v): e for e in template.jaxpr.eqns for v in e.outvars}
+        self.tgraph = template.graph
 
     def atom(self, p, g, state: _State, depth=0):
         if depth > 256:
@@ -157,12 +187,79 @@ class _Matcher:
             return
         if not self.exact and ge.primitive.name in _SHAPE_ONLY and len(ge.invars) == 1:
             yield from self.atom(p, ge.invars[0], state, depth + 1)
-        yield from self.eqn(pe, ge, output_index(pe, p), output_index(ge, g), state, depth)
+        yield from self.value(p, g, state, depth)
+
+    def value(self, p, g, state, depth):
+        """`p` (computed by the pattern) against `g` (by the program)."""
+        pc = self.t.contractions.get(id(p))
+        if pc is not None:
+            gc = self._contraction(g, self.graph)
+            if gc is not None:
+                yield from self.contraction(pc, gc, p, g, state, depth)
+            return
+        pe, ge = self.producer[id(p)], self.graph.producer(g)
+        if ge is not None:
+            yield from self.eqn(pe, ge, output_index(pe, p), output_index(ge, g), state, depth)
+
+    @staticmethod
+    def _contraction(atom, graph: Graph):
+        return contraction(atom, graph.producer, lambda a: graph.uses(a) == 1)
+
+    def contraction(self, pc, gc, p, g, state, depth):
+        """Two contractions, whatever their transposes and operand order: in
+        the exact pass they compute the same einsum at the same types."""
+        done = state.mapped.get(id(pc.dot))
+        if done is not None:
+            if done is gc.dot:
+                yield state
+            return
+        if any(id(e) in state.used or e.effects for e in gc.eqns):
+            return
+        orders = []
+        for swapped in (False, True):
+            if self.exact and not (
+                    pc.signature() == gc.signature(swapped) and _same_types([p], [g])
+                    and pc.dot.outvars[0].aval.dtype == gc.dot.outvars[0].aval.dtype
+                    and _same_params(_contraction_params(pc.dot), _contraction_params(gc.dot))):
+                continue
+            operands = gc.operands[::-1] if swapped else gc.operands
+            if operands not in orders:
+                orders.append(operands)
+        if not orders:
+            return
+        for e in pc.eqns:  # every pattern equation of the chain stands for the program's
+            state = state.map(e, gc.dot, absorbing=gc.eqns if e is pc.dot else ())
+        for operands in orders:
+            yield from self._all(list(pc.operands), list(operands), state, depth + 1)
+
+    def reciprocal(self, pe, ge, state, depth):
+        """`x / c` against `x * c'` (either way round), c' within an ulp of 1 / c."""
+        p_side, g_side = self._scaled(pe, self._pattern_const), self._scaled(ge, self.graph.const_value)
+        if p_side is None or g_side is None:
+            return
+        (p_x, p_c), (g_x, g_c) = p_side, g_side
+        if self.exact:
+            times, over = (p_c, g_c) if pe.primitive.name == "mul" else (g_c, p_c)
+            if not (_same_types(pe.outvars, ge.outvars)
+                    and close_to_reciprocal(times, over, pe.outvars[0].aval.dtype)):
+                return
+        yield from self.atom(p_x, g_x, state.map(pe, ge), depth + 1)
+
+    @staticmethod
+    def _scaled(eqn, const_value):
+        """(x, c) for `x / c` or `x * c` (either order) with c constant, else None."""
+        a, b = eqn.invars
+        if eqn.primitive.name == "div":
+            c = const_value(b)
+            return None if c is None else (a, c)
+        for x, y in ((a, b), (b, a)):
+            c = const_value(y)
+            if c is not None and const_value(x) is None:
+                return x, c
+        return None
 
     def eqn(self, pe, ge, p_out, g_out, state, depth):
-        if p_out != g_out or pe.primitive.name != ge.primitive.name:
-            return
-        if len(pe.invars) != len(ge.invars) or len(pe.outvars) != len(ge.outvars):
+        if p_out != g_out or len(pe.invars) != len(ge.invars) or len(pe.outvars) != len(ge.outvars):
             return
         done = state.mapped.get(id(pe))
         if done is not None:
@@ -172,6 +269,11 @@ class _Matcher:
         if id(ge) in state.used:
             return  # one program equation per pattern equation
         if ge.effects:
+            return
+        if {pe.primitive.name, ge.primitive.name} == {"div", "mul"}:
+            yield from self.reciprocal(pe, ge, state, depth)
+            return
+        if pe.primitive.name != ge.primitive.name:
             return
         if self.exact and not (_same_types(pe.outvars, ge.outvars)
                                and _same_params(_canonical(pe), _canonical(ge))):
@@ -191,21 +293,20 @@ class _Matcher:
             yield from self._all(ps[1:], gs[1:], s, depth)
 
     def _pattern_const(self, p):
-        value = C.literal_value(p)
-        if value is not None:
-            return value
-        if p in self.t.consts:
-            return np.asarray(self.t.consts[p])
-        return None
+        if C.is_var(p) and id(p) in self.invars:
+            return None
+        return self.tgraph.const_value(p)
 
     def outputs(self, root, state):
         """Every way the template's outputs map onto the program from `root`,
         which produces the first one: (state, program output atoms)."""
         outs = list(self.t.jaxpr.outvars)
-        first = self.producer[id(outs[0])]
-        i = output_index(first, outs[0])
-        for s in self.eqn(first, root, i, i, state, 0):
-            yield from self._rest(outs, 1, s, [root.outvars[i]])
+        i = output_index(self.producer[id(outs[0])], outs[0])
+        if i >= len(root.outvars):
+            return
+        for s in self.value(outs[0], root.outvars[i], state, 0):
+            if id(root) in s.used:
+                yield from self._rest(outs, 1, s, [root.outvars[i]])
 
     def _rest(self, outs, k, state, found):
         if k == len(outs):
@@ -222,6 +323,15 @@ class _Matcher:
                 i = output_index(pe, p)
                 for s in self.eqn(pe, ge, i, i, state, 0):
                     yield from self._rest(outs, k + 1, s, found + [ge.outvars[i]])
+
+
+def _transposed_later(eqn, graph: Graph) -> bool:
+    """A contraction whose result only a transpose reads: matched from there."""
+    if eqn.primitive.name != "dot_general":
+        return False
+    users = graph.users(eqn.outvars[0])
+    return graph.uses(eqn.outvars[0]) == 1 and len(users) == 1 \
+        and users[0].primitive.name == "transpose"
 
 
 def _same_constant(p_value, g_value, p, g) -> bool:
@@ -250,6 +360,11 @@ def _same_types(ps, gs) -> bool:
                 or getattr(a, "weak_type", False) != getattr(b, "weak_type", False)):
             return False
     return True
+
+
+def _contraction_params(eqn) -> dict:
+    """A dot_general's params but its dimension numbers (compared as an einsum)."""
+    return {k: v for k, v in _canonical(eqn).items() if k != "dimension_numbers"}
 
 
 def _canonical(eqn) -> dict:
@@ -363,8 +478,11 @@ class _Rule:
                 raise RuleError(f"jaxfuse.rule {name!r}: pattern {k} does not use all of its "
                                 f"arguments, so a match could not bind them")
             first = next(e for e in template.jaxpr.eqns if template.jaxpr.outvars[0] in e.outvars)
-            self.roots.add(first.primitive.name)
-            self._heads.append((k, template, first.primitive.name))
+            heads = {first.primitive.name}
+            if id(template.jaxpr.outvars[0]) in template.contractions:
+                heads = {"dot_general", "transpose"}  # a program may end it either way
+            self.roots |= heads
+            self._heads.append((k, template, heads))
             self.check_replacement(self.examples, template.out_avals)
 
     def template(self, k, avals) -> _Template:
@@ -402,8 +520,8 @@ class _Rule:
 
     # ---- Pattern protocol
     def match(self, eqn, graph: Graph):
-        for k, template, head in self._heads:
-            if head != eqn.primitive.name:
+        for k, template, heads in self._heads:
+            if eqn.primitive.name not in heads:
                 continue
             loose = _Matcher(template, graph, exact=False)
             near, offered = None, False
@@ -417,7 +535,7 @@ class _Rule:
                     yield found
                 else:
                     near = near or found
-            if not offered and near is not None:
+            if not offered and near is not None and not _transposed_later(eqn, graph):
                 yield near  # declined, with the reason `explain` shows
             if offered or near is not None:
                 return
@@ -437,7 +555,7 @@ class _Rule:
         start = _State({id(p): g for p, g in zip(exact_template.jaxpr.invars, operands)}, {})
         for s, outs in exact.outputs(root, start):
             if all(s.bound.get(id(p)) is g for p, g in zip(exact_template.jaxpr.invars, operands)):
-                return Match(root=root, eqns=tuple(s.mapped.values()), operands=operands,
+                return Match(root=root, eqns=s.program_eqns(), operands=operands,
                              spelling=self.name, outputs=outs,
                              info={"rule": self, "avals": avals,
                                    "out_avals": exact_template.out_avals})
@@ -445,7 +563,7 @@ class _Rule:
                                f"shape {_describe(avals)} does not re-trace to the matched equations")
 
     def _near_miss(self, root, state, operands, reason) -> Match:
-        return Match(root=root, eqns=tuple(state.mapped.values()), operands=operands,
+        return Match(root=root, eqns=state.program_eqns(), operands=operands,
                      spelling=self.name, info={"rule": self, "reason": reason})
 
     def check(self, m: Match, graph: Graph) -> str | None:

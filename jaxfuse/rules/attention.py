@@ -1,36 +1,41 @@
 """Hand-written attention to `jax.nn.dot_product_attention`, which runs cuDNN's
 fused flash attention on a GPU where it can (and XLA's own path elsewhere).
 
-    rules = jaxfuse.rules.attention.rules()          # every spelling whose library is installed
-    fast = jaxfuse.optimize(model.apply, patterns=rules)
+    fast = jaxfuse.optimize(model.apply, patterns=jaxfuse.rules.attention.rules())
 
-Each spelling is the library's own code for the attention core (called as the
-layer calls it, dropout off; flax's also with a bias and a mask together), so
-a match reproduces its equations exactly at
-the matched shapes (jaxfuse.rule re-traces and compares them):
+Three forms, each written once in plain jax.numpy, cover the layers of four
+libraries; the matcher's canonical forms absorb how each library lays out
+the same computation (transposes and operand order around the contractions,
+heads under `vmap`, a scale folded from constants or written as a literal,
+`/ c` against `* (1 / c)`):
 
-  flax_linen  flax.linen.dot_product_attention: q / sqrt(d) before the einsum,
-              masked with `jnp.where(mask, w, finfo.min)`
-  flax_nnx    flax.nnx.dot_product_attention with dropout set but deterministic
-              (with dropout 0 it already calls jax.nn.dot_product_attention)
-  haiku       hk.MultiHeadAttention's: the logits divided by sqrt(d), masked
-              with -1e30; declined for float16, where -1e30 is -inf and a fully
-              masked row is NaN while jax.nn's stays finite
-  equinox     eqx.nn.MultiheadAttention's: vmapped over heads (and over a batch,
-              as models call it), q / sqrt(d), softmax in float32
+  attention                  q / sqrt(d) before the einsum, masked with
+                             `jnp.where(mask, w, finfo.min)`: flax.linen,
+                             flax.nnx with dropout set but deterministic (with
+                             dropout 0 it already calls jax.nn's), equinox in
+                             float32 (its heads vmapped)
+  attention_float32_softmax  the same with the softmax in float32: equinox's
+                             16-bit layers
+  attention_logits_scaled    the logits divided by sqrt(d), masked with -1e30:
+                             dm-haiku; declined for float16 masks, where -1e30
+                             is -inf and a fully masked row is NaN while
+                             jax.nn's stays finite
 
-The scale is the layer's own 1/sqrt(d), d the head size: a static shape, so a
-Python float. The implementation is chosen per match (`implementation`):
-cuDNN's fused kernel on an NVIDIA GPU where its preconditions hold, XLA's
-path elsewhere. Masks are bool (a float mask means `mask != 0`, as `jnp.where`
-reads it). Values agree with the hand-written form within float32 rounding
+The forms differ in arithmetic (where the scale rounds, the softmax's
+precision, the mask's fill), so none stands for another. The scale is the
+layer's own 1/sqrt(d), d the head size: a static shape, so a Python float.
+The implementation is chosen per match (`implementation`): cuDNN's fused
+kernel on an NVIDIA GPU where its preconditions hold, XLA's path elsewhere.
+Masks are bool (a float mask means `mask != 0`, as `jnp.where` reads it).
+Values agree with the hand-written form within float32 rounding
 (tests/test_attention_rule.py); the gradient is jax.nn's.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -42,14 +47,8 @@ from ..rewrite.target import target_platform
 _B, _T, _N, _H = 2, 8, 4, 16  # example shapes the spellings are first traced at
 
 
-def _example(batch: bool = True):
-    shape = (_B, _T, _N, _H) if batch else (_T, _N, _H)
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
-def _mask_example(batch: bool = True):
-    shape = (_B, _N, _T, _T) if batch else (_N, _T, _T)
-    return jax.ShapeDtypeStruct(shape, jnp.bool_)
+def _example():
+    return jax.ShapeDtypeStruct((_B, _T, _N, _H), jnp.float32)
 
 
 def implementation(q, k, v, *, bias=None, platform: str, compute_capability=None,
@@ -116,108 +115,91 @@ def _same_dtypes(q, k, v, *rest):
     return q.dtype == k.dtype == v.dtype and len(q.shape) >= 3
 
 
-# ------------------------------------------------------------------ spellings
-def _flax_linen():
-    from flax.linen import dot_product_attention
-
-    plain = lambda q, k, v: dot_product_attention(q, k, v)  # noqa: E731
-    masked = lambda q, k, v, mask: dot_product_attention(q, k, v, mask=mask)  # noqa: E731
-    biased = lambda q, k, v, mask, bias: dot_product_attention(  # noqa: E731
-        q, k, v, bias=bias, mask=mask)
-    return plain, masked, biased
-
-
-def _flax_nnx():
-    from flax.nnx import dot_product_attention
-
-    kw = dict(dropout_rate=0.5, deterministic=True)  # the naive path, no dropout applied
-    plain = lambda q, k, v: dot_product_attention(q, k, v, **kw)  # noqa: E731
-    masked = lambda q, k, v, mask: dot_product_attention(q, k, v, mask=mask, **kw)  # noqa: E731
-    biased = lambda q, k, v, mask, bias: dot_product_attention(  # noqa: E731
-        q, k, v, bias=bias, mask=mask, **kw)
-    return plain, masked, biased
-
-
-def _haiku_core(q, k, v, mask=None):
-    # hk.MultiHeadAttention.__call__, between the projections.
-    import numpy as np
-
-    logits = jnp.einsum("...thd,...Thd->...htT", q, k)
-    logits = logits / np.sqrt(k.shape[-1]).astype(k.dtype)
-    if mask is not None:
-        logits = jnp.where(mask, logits, -1e30)
-    weights = jax.nn.softmax(logits)
-    return jnp.einsum("...htT,...Thd->...thd", weights, v)
-
-
-def _haiku():
-    import haiku  # noqa: F401  (only so that the spelling ships with the library)
-
-    return (lambda q, k, v: _haiku_core(q, k, v),
-            lambda q, k, v, mask: _haiku_core(q, k, v, mask))
-
-
-def _equinox():
-    from equinox.nn._attention import dot_product_attention
-
-    one = functools.partial(dot_product_attention, dropout=None)
-    heads = jax.vmap(one, in_axes=1, out_axes=1)
-    # a (S, S) mask, the same for every head: eqx closes over it
-    heads_masked = lambda q, k, v, m: jax.vmap(  # noqa: E731
-        functools.partial(one, mask=m), in_axes=1, out_axes=1)(q, k, v)
-    return heads, heads_masked
-
-
-# library -> its (unmasked, masked) spellings
-_LIBRARIES = {"flax_linen": _flax_linen, "flax_nnx": _flax_nnx, "haiku": _haiku,
-              "equinox": _equinox}
-
-
-def _not_float16_masked(q, k, v, mask):
+def _not_float16(q, k, v, *rest):
+    # -1e30 is -inf in float16: a fully masked row would be NaN, jax.nn's is finite
     return _same_dtypes(q, k, v) and q.dtype != jnp.float16
 
 
-def rules(libraries=None) -> list:
-    """The attention rules for `libraries` (default: every one installed),
-    masked and unmasked; a library that is not installed is left out."""
+# ------------------------------------------------------------------ spellings
+# Written once each, as the layers compute them; the matcher's canonical forms
+# (jaxfuse.rewrite.canonical) absorb the rest: transposes and operand order
+# around the two contractions, vmapped heads, `/ c` against `* (1 / c)`, a
+# scale computed from constants or written as a literal.
+def _logits(q, k, scale_queries: bool):
+    if scale_queries:  # flax.linen, flax.nnx, equinox
+        q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    logits = jnp.einsum("...qhd,...khd->...hqk", q, k)
+    if not scale_queries:  # dm-haiku
+        logits = logits / np.sqrt(k.shape[-1]).astype(k.dtype)
+    return logits
+
+
+def _weights(logits, float32_softmax: bool):
+    dtype = logits.dtype
+    if float32_softmax:  # equinox: the softmax in float32 for 16-bit inputs
+        return jax.nn.softmax(logits.astype(jnp.promote_types(dtype, jnp.float32))).astype(dtype)
+    return jax.nn.softmax(logits).astype(dtype)
+
+
+def _attend(weights, v):
+    return jnp.einsum("...hqk,...khd->...qhd", weights, v)
+
+
+def _form(scale_queries: bool, float32_softmax: bool, fill):
+    """(plain, masked, bias+mask) spellings of one form."""
+
+    def masked_logits(logits, mask):
+        big_neg = jnp.finfo(logits.dtype).min if fill is None else fill
+        return jnp.where(mask, logits, big_neg)
+
+    def plain(q, k, v):
+        return _attend(_weights(_logits(q, k, scale_queries), float32_softmax), v)
+
+    def masked(q, k, v, mask):
+        logits = masked_logits(_logits(q, k, scale_queries), mask)
+        return _attend(_weights(logits, float32_softmax), v)
+
+    def biased(q, k, v, mask, bias):
+        logits = masked_logits(_logits(q, k, scale_queries) + bias, mask)
+        return _attend(_weights(logits, float32_softmax), v)
+
+    return plain, masked, biased
+
+
+# name -> (queries scaled (else logits), softmax in float32, mask fill (None: finfo.min),
+#          with a bias form, where masked)
+_FORMS = {
+    # flax.linen and flax.nnx (with dropout set but deterministic), equinox in float32
+    "attention": (True, False, None, True, _same_dtypes),
+    # equinox at 16 bits: its softmax runs in float32
+    "attention_float32_softmax": (True, True, None, False, _same_dtypes),
+    # dm-haiku: the logits divided by sqrt(d), masked with -1e30
+    "attention_logits_scaled": (False, False, -1e30, False, _not_float16),
+}
+
+
+def rules(forms=None) -> list:
+    """The attention rules, one per form and masking (default: every form).
+
+    Forms: "attention" (queries scaled by 1/sqrt(d), masked with the dtype's
+    lowest value: flax.linen, flax.nnx, equinox in float32),
+    "attention_float32_softmax" (equinox's 16-bit layers) and
+    "attention_logits_scaled" (dm-haiku: the logits scaled, masked with
+    -1e30; declined for float16 masks). Each comes unmasked, masked
+    (`_masked`) and, for "attention", with a bias before the mask
+    (`_bias_masked`)."""
     out = []
-    for lib in libraries or _LIBRARIES:
-        try:
-            plain, masked, *biased = _LIBRARIES[lib]()
-        except ImportError:
-            continue
-        if lib == "equinox":
-            # as a layer is called on one example (S, H, D), and vmapped over a batch
-            batched, batched_masked = jax.vmap(plain), jax.vmap(masked, in_axes=(0, 0, 0, None))
-            square = jax.ShapeDtypeStruct((_T, _T), jnp.bool_)
-            spellings = [(plain, (_example(False),) * 3, None),
-                         (batched, (_example(),) * 3, None),
-                         (masked, (*(_example(False),) * 3, square), None),
-                         (batched_masked, (*(_example(),) * 3, square), None)]
-        else:
-            unmasked_where = _same_dtypes
-            masked_where = _not_float16_masked if lib == "haiku" else _same_dtypes
-            spellings = [(plain, (_example(),) * 3, unmasked_where),
-                         (masked, (*(_example(),) * 3, _mask_example()), masked_where)]
-            logits = jax.ShapeDtypeStruct((_B, _N, _T, _T), jnp.float32)
-            spellings += [(p, (*(_example(),) * 3, _mask_example(), logits), _same_dtypes)
-                          for p in biased]
-        for k, (pattern, examples, where) in enumerate(spellings):
-            form = {3: "", 4: "_masked", 5: "_bias_masked"}[len(examples)]
-            name = f"attention_{lib}{form}"
-            if lib == "equinox" and k in (1, 3):
-                name += "_batched"
-            fused = _equinox_fused if lib == "equinox" else _fused
-            replacement = {
-                3: lambda q, k, v, f=fused: f(q, k, v),
-                4: lambda q, k, v, mask, f=fused: f(q, k, v, mask),
-                5: lambda q, k, v, mask, bias: _fused(q, k, v, mask, bias),
-            }[len(examples)]
-            out.append(rule(pattern, replacement, name=name, example_args=examples,
-                            where=where or _same_dtypes))
+    for name in forms or _FORMS:
+        scale_queries, float32_softmax, fill, with_bias, masked_where = _FORMS[name]
+        plain, masked, biased = _form(scale_queries, float32_softmax, fill)
+        mask = jax.ShapeDtypeStruct((_B, _N, _T, _T), jnp.bool_)
+        logits = jax.ShapeDtypeStruct((_B, _N, _T, _T), jnp.float32)
+        out.append(rule(plain, lambda q, k, v: _fused(q, k, v), name=name,
+                        example_args=(_example(),) * 3, where=_same_dtypes))
+        out.append(rule(masked, lambda q, k, v, m: _fused(q, k, v, m), name=f"{name}_masked",
+                        example_args=(*(_example(),) * 3, mask), where=masked_where))
+        if with_bias:
+            out.append(rule(biased, lambda q, k, v, m, b: _fused(q, k, v, m, b),
+                            name=f"{name}_bias_masked",
+                            example_args=(*(_example(),) * 3, mask, logits), where=masked_where))
     return out
-
-
-def _equinox_fused(q, k, v, mask=None):
-    """`_fused` for equinox's layouts: (..., S, H, D), an (S, S) mask for every head."""
-    return _fused(q, k, v, None if mask is None else mask[None])
