@@ -111,8 +111,10 @@ def random_operand(rng: np.random.Generator, shape, dtype, specials=True) -> np.
 
 @pytest.fixture
 def rng(request) -> np.random.Generator:
-    # Fresh data each run; the seed is printed on failure to reproduce it.
-    seed = np.random.SeedSequence().entropy % (2**32)
+    # Fresh data each run; the seed is printed on failure, and
+    # JAXFUSE_TEST_SEED=<seed> reproduces it.
+    given = os.environ.get("JAXFUSE_TEST_SEED")
+    seed = int(given) if given else np.random.SeedSequence().entropy % (2**32)
     request.node.user_properties.append(("seed", seed))
     print(f"random seed: {seed}")
     return np.random.default_rng(seed)
