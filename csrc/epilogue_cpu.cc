@@ -310,6 +310,23 @@ struct BF16Lanes {
   }
 };
 
+// fma_narrow (epilogue_scalar.h) on 8 lanes: a * b + c rounded to odd, so
+// that rounding it to float16 rounds the exact value once.
+JF_AVX2 JF_INLINE __m256 FmaNarrow8(__m256 a, __m256 b, __m256 c) {
+  __m256 p = _mm256_mul_ps(a, b);  // exact for float16 values
+  __m256 s = _mm256_add_ps(p, c);
+  __m256 bb = _mm256_sub_ps(s, p);
+  __m256 err = _mm256_add_ps(_mm256_sub_ps(p, _mm256_sub_ps(s, bb)), _mm256_sub_ps(c, bb));
+  __m256 zero = _mm256_setzero_ps();
+  __m256 inexact = _mm256_cmp_ps(err, zero, _CMP_NEQ_OQ);  // false for NaN
+  __m256 toward_zero = _mm256_and_ps(
+      inexact, _mm256_xor_ps(_mm256_cmp_ps(err, zero, _CMP_LT_OQ), _mm256_cmp_ps(s, zero, _CMP_LT_OQ)));
+  __m256i u = _mm256_castps_si256(s);
+  u = _mm256_add_epi32(u, _mm256_castps_si256(toward_zero));  // -1 where nearer zero
+  u = _mm256_or_si256(u, _mm256_and_si256(_mm256_castps_si256(inexact), _mm256_set1_epi32(1)));
+  return _mm256_castsi256_ps(u);
+}
+
 template <class F, class L>
 JF_AVX2 JF_INLINE __m256 Rnd(__m256 v) {
   if constexpr (F::kNarrowEachOp) return L::Round(v);
@@ -327,7 +344,8 @@ JF_AVX2 JF_INLINE __m256 Preactivation8(const uint16_t* x, const uint16_t* m,
   if constexpr (F::kPrescale) v = Rnd<F, L>(_mm256_mul_ps(v, L::Load(q)));
   if constexpr (F::kScale) {
     if constexpr (F::kContract) {
-      v = Rnd<F, L>(_mm256_fmadd_ps(v, L::Load(s), L::Load(t)));
+      v = F::kNarrowEachOp ? L::Round(FmaNarrow8(v, L::Load(s), L::Load(t)))
+                           : _mm256_fmadd_ps(v, L::Load(s), L::Load(t));
     } else {
       v = Rnd<F, L>(_mm256_mul_ps(v, L::Load(s)));
       v = Rnd<F, L>(_mm256_add_ps(v, L::Load(t)));

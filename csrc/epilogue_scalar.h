@@ -17,10 +17,12 @@
 //     `(x - m) * s + t` as fma(x - m, s, t), `x * s + t + r` as
 //     fma(x, s, t) + r. XLA:GPU did not contract float32 on an H200.
 //   * kNarrowEachOp: for float16 / bfloat16, XLA:CPU rounds every operation to
-//     the narrow type (widen both operands to f32, operate, round), and never
-//     contracts there. Without it the whole expression runs in f32 and is
-//     rounded once at the end (XLA's "excess precision"), a rule a platform
-//     may choose instead.
+//     the narrow type (widen both operands to f32, operate, round). It does
+//     not contract there, except float16 where it targets AVX512-FP16: its
+//     native half-precision code contracts `v * s + t` into one float16 FMA
+//     (fma_narrow). Without kNarrowEachOp the whole expression runs in f32
+//     and is rounded once at the end (XLA's "excess precision"), a rule a
+//     platform may choose instead.
 //
 // NaN: a NaN anywhere gives a NaN; which operand's payload survives is only
 // pinned for add_relu (add_relu_scalar.h). Denormals: the host runs under
@@ -78,6 +80,25 @@ JF_HD double fma_any(double a, double b, double c) {
 #endif
 }
 
+// a * b + c for float16 values a, b, c, as a float that rounds to float16 as
+// the exact value does: what a float16 fused multiply-add gives (XLA:CPU's
+// native float16 code on AVX512-FP16). a * b is exact in float (two 11-bit
+// significands); the sum is rounded to odd (truncated, its last bit set when
+// inexact), so the later rounding to float16's 11 bits is a single rounding of
+// the exact value. fmaf would round twice and differ at float16 midpoints.
+JF_HD float fma_narrow(float a, float b, float c) {
+  float p = a * b;
+  float s = p + c;
+  float bb = s - p;  // TwoSum: err is exactly (p + c) - s
+  float err = (p - (s - bb)) + (c - bb);
+  if (err == err && err != 0.0f) {
+    uint32_t u = f32_bits(s);
+    if ((err < 0.0f) != (s < 0.0f)) u -= 1;  // the exact value lies nearer zero
+    s = bits_f32(u | 1u);
+  }
+  return s;
+}
+
 // The pre-activation v in a wide type (float, double). Absent operands are
 // ignored. add_xla keeps add_relu's "first operand's NaN" rule.
 template <class F, class T>
@@ -120,7 +141,8 @@ JF_HD float preactivation_narrow(Tag tag, float x, float m, float q, float s,
   if constexpr (F::kPrescale) v = rnd(v * q);
   if constexpr (F::kScale) {
     if constexpr (F::kContract) {
-      v = rnd(fma_any(v, s, t));
+      // rounded per operation: one narrow FMA; else float's, rounded at the end
+      v = F::kNarrowEachOp ? rnd(fma_narrow(v, s, t)) : fma_any(v, s, t);
     } else {
       v = rnd(v * s);
       v = rnd(v + t);

@@ -1,13 +1,17 @@
 """Which instruction set XLA:CPU generates code for in this process.
 
 XLA:CPU compiles for the host's CPU, capped by `--xla_cpu_max_isa` in
-XLA_FLAGS. That level decides three things jaxfuse must follow:
+XLA_FLAGS. That level decides what jaxfuse must follow:
   * whether XLA contracts `x * y + z` into a fused multiply-add (from AVX2,
     which brings FMA), so the kernels round the same way (_numerics.py);
   * which vector path the CPU kernels take: a kernel faster than the code XLA
     is held to would make timings on an emulated ISA flatter it;
   * which measured thresholds the cost model may use (rewrite/cost.py): XLA's
     float16 loops, for one, are far faster at 512 bits.
+
+A fourth follows the host's features at the AVX-512 level: whether XLA
+computes float16 natively (AVX512-FP16), which changes its rounding
+(`native_float16`).
 
 Levels, lowest first: "sse4_2", "avx", "avx2" (with FMA), "avx512". A machine
 that is not x86-64 has its own name as its level ("aarch64", ...).
@@ -96,6 +100,21 @@ def target_level_here() -> str:
     when its first client is made; reading them once (at the first use, after
     that) follows it."""
     return target_level(os.environ.get("XLA_FLAGS", ""), _platform.machine(), host_flags())
+
+
+def native_float16(level: str, flags: frozenset[str]) -> bool:
+    """Whether XLA:CPU computes float16 in float16 itself: where it targets
+    AVX-512 on a CPU with AVX512-FP16 (Sapphire Rapids and later). Every
+    `--xla_cpu_max_isa` cap from AVX512 up leaves that feature on (XLA's
+    cpu_features.cc filters it only with the AVX-512 family, below AVX512);
+    elsewhere LLVM widens each float16 operation to float32."""
+    return level == "avx512" and "avx512_fp16" in flags
+
+
+@functools.lru_cache(maxsize=None)
+def native_float16_here() -> bool:
+    """`native_float16` for this process."""
+    return native_float16(target_level_here(), host_flags())
 
 
 def has_avx2(level: str) -> bool:

@@ -43,7 +43,20 @@ def test_recorded_cpu_rule_is_the_one_xla_uses(rng, dtype, form):
     ctx = jax.enable_x64(True) if np.dtype(dtype) == np.float64 else contextlib.nullcontext()
     with ctx:
         shape = (64, 64)
-        x, m, s, t, r = (jnp.asarray(rng.standard_normal(shape) * 3, dtype) for _ in range(5))
+        x, m, s, t, r = (rng.standard_normal(shape) * 3 for _ in range(5))
+        if np.dtype(dtype).itemsize == 2:
+            # Half the rows where rounding an FMA twice (to float32, then to
+            # the narrow type) differs from rounding it once: x * s exactly
+            # halfway between two float16 values (1.5 * (1 + b/1024), b odd),
+            # t = +-2^-24, below float32's half ulp there; m, r neutral (q
+            # plays r).
+            half, cols = shape[0] // 2, shape[1]
+            x[:half] = 1.5
+            s[:half] = 1 + (2 * rng.integers(0, 170, (half, cols)) + 1) / 1024
+            t[:half] = rng.choice([-1, 1], (half, cols)) * 2.0 ** -24
+            m[:half] = 0
+            r[:half] = 1 if flags.get("prescale") else 0
+        x, m, s, t, r = (jnp.asarray(a, dtype) for a in (x, m, s, t, r))
         if flags.get("prescale"):  # r plays q here (the lambda's last argument)
             operands = [x, m, r, s, t]
         else:

@@ -167,16 +167,16 @@ def test_prng_key_arguments_get_the_cost_models_choice(tmp_path, args):
 
 
 def test_rounds_are_timed_in_a_random_order(tmp_path, rng):
-    """Three distinct candidates (auto fuses the float16 site, declines the
-    small float32 one; always fuses both): every round times each once, and
-    the rounds' orders are not one cyclic order rotated."""
+    """Three distinct candidates (auto fuses the large bfloat16 site, declines
+    the small float32 one; always fuses both): every round times each once,
+    and the rounds' orders are not one cyclic order rotated."""
     def two_sites(a, b, c, d):
         return jax.nn.relu(a + b), jax.nn.relu(c + d)
 
     ops = (jnp.asarray(random_operand(rng, (64, 128), np.float32, specials=False)),
            jnp.asarray(random_operand(rng, (128,), np.float32, specials=False)),
-           jnp.asarray(random_operand(rng, (512, 512), np.float16, specials=False)),
-           jnp.asarray(random_operand(rng, (512, 512), np.float16, specials=False)))
+           jnp.asarray(random_operand(rng, (1024, 1024), jnp.bfloat16, specials=False)),
+           jnp.asarray(random_operand(rng, (1024, 1024), jnp.bfloat16, specials=False)))
     t = tuning.Autotuner(rounds=12, budget_s=600.0, timer=FakeTimer({"xla": 2.0, "always": 1.0, "auto": 3.0}),
                          cache=tuning.cache(str(tmp_path)))
     jax.make_jaxpr(jaxfuse.optimize(two_sites, policy="measure", autotuner=t))(*ops)
