@@ -75,6 +75,8 @@ _user_frames = _private("jax._src.source_info_util", "user_frames")
 _is_user_filename = _private("jax._src.source_info_util", "is_user_filename")
 # A switch that is part of jit's cache key (no public API defines one).
 _bool_state = _private("jax._src.config", "bool_state")
+# The mesh `jax.set_mesh` entered, readable inside jit (jax.sharding.get_mesh is not).
+_concrete_mesh = _private("jax._src.mesh", "get_concrete_mesh")
 
 
 def require_devices_during_lowering(primitive) -> None:
@@ -329,3 +331,44 @@ def gpu_compute_capability() -> tuple[int, int] | None:
         return int(major), int(minor)
     except Exception:  # noqa: BLE001 - no GPU backend, no attribute
         return None
+
+
+# ------------------------------------------------------------------ meshes
+def aval_mesh(aval):
+    """The mesh an abstract value is sharded over in its type (explicit
+    sharding: an AbstractMesh), with its PartitionSpec; (None, None) when its
+    type holds no mesh of more than one device."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    try:
+        size = int(getattr(mesh, "size", 1) or 1)
+    except (TypeError, ValueError):
+        size = 1
+    return (mesh, sharding.spec) if size > 1 else (None, None)
+
+
+def concrete_mesh_for(abstract):
+    """A Mesh of devices for `abstract` (an AbstractMesh): the one set with
+    `jax.set_mesh` where it matches, else one made over this platform's
+    devices with the same axes. Call while tracing (the context is the
+    tracing thread's)."""
+    try:
+        current = _concrete_mesh()
+    except Exception:  # noqa: BLE001 - a jax without it: make one
+        current = None
+    if (getattr(current, "axis_names", ()) == abstract.axis_names
+            and getattr(current, "axis_sizes", ()) == abstract.axis_sizes):
+        return current
+    devices = jax.devices()
+    if abstract.size > len(devices):
+        raise ValueError(f"a mesh of {abstract.size} devices, but this process sees {len(devices)}")
+    return jax.make_mesh(abstract.axis_sizes, abstract.axis_names,
+                         axis_types=abstract.axis_types, devices=devices[:abstract.size])
+
+
+def mesh_context(mesh):
+    """A context entering `mesh` (explicit sharding needs one to lower); a
+    no-op for None. Only outside a trace (`jax.set_mesh`'s rule)."""
+    import contextlib
+
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)

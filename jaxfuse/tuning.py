@@ -21,11 +21,19 @@ never reuses an old decision. A cache directory that cannot be written warns
 and keeps the decision for the process.
 `jaxfuse.tuning.cache()` inspects and clears it.
 
+Sharded programs are timed sharded: arguments sharded in their types
+(explicit sharding) get stand-in data laid out the same way, on the mesh
+entered with `jax.set_mesh` (else one with the same axes over this platform's
+devices), and the candidates are compiled and run there. Under several
+processes (`jax.distributed`) every process must compile the same program,
+so the decision is collective: all take process 0's stored choice, or all
+time the candidates (a fixed number of rounds, in the same order, since the
+programs run collectives) and take process 0's verdict.
+
 A program with effects (callbacks, prints) is not timed -- running it again
 would repeat them -- and gets the cost model's choice; so does one that closes
-over an enclosing trace's values, takes PRNG keys, has symbolic
-(shape-polymorphic) dimensions or is sharded over a mesh of several devices
-(no stand-in data for them), and one with a
+over an enclosing trace's values, takes PRNG keys or has symbolic
+(shape-polymorphic) dimensions (no stand-in data for them), and one with a
 `while` loop anywhere in it (its trip count depends on the data: on stand-in
 data it may never end). Each such fallback is recorded with its reason in
 `Autotuner.skipped`. Every run of a candidate is bounded in time besides
@@ -237,38 +245,86 @@ def _untimeable(closed) -> str | None:
     if any(not isinstance(d, (int, np.integer))
            for a in closed.in_avals for d in getattr(a, "shape", ())):
         return "it has symbolic dimensions (no stand-in data for them)"
-    if any(_mesh_size(getattr(a, "sharding", None)) > 1 for a in closed.in_avals):
-        return ("it is sharded over a mesh of several devices (stand-in data would need the "
-                "arguments' devices)")
+    meshes = {m for m, _ in map(C.aval_mesh, closed.in_avals) if m is not None}
+    if len(meshes) > 1:
+        return "its arguments are sharded over different meshes (no one mesh to time them on)"
+    for mesh in meshes:
+        if mesh.size > len(jax.devices()):
+            return (f"it is sharded over a mesh of {mesh.size} devices and this process sees "
+                    f"{len(jax.devices())}")
     if any(eqn.primitive.name == "while" for eqn in subjaxprs.all_eqns(closed)):
         return ("it has a while loop, whose trip count depends on the data "
                 "(on stand-in data it may never end)")
     return None
 
 
-def _mesh_size(sharding) -> int:
-    mesh = getattr(sharding, "mesh", None)
-    try:
-        return int(getattr(mesh, "size", 1) or 1)
-    except (TypeError, ValueError):
-        return 1
+def _timing_mesh(closed):
+    """The devices to time `closed` on: for arguments sharded in their types
+    (explicit sharding), the mesh entered with `jax.set_mesh`, else one with
+    the same axes; None (the default device) otherwise. Read while tracing."""
+    for aval in closed.in_avals:
+        abstract, _ = C.aval_mesh(aval)
+        if abstract is not None:
+            return C.concrete_mesh_for(abstract)
+    return None
 
 
-def _inputs(closed, seed: int = 0):
+def _inputs(closed, seed: int = 0, mesh=None):
+    """Stand-in arguments: random normal floats, zero integers; on `mesh`,
+    each sharded as its type says (the same values on every process)."""
     rng = np.random.default_rng(seed)
     out = []
     for a in closed.in_avals:
         dtype = np.dtype(a.dtype)
         if np.issubdtype(dtype, np.floating) or dtype.kind == "V":
-            out.append(jax.numpy.asarray(rng.standard_normal(a.shape), dtype))
+            host = np.asarray(rng.standard_normal(a.shape)).astype(dtype)
         else:
-            out.append(jax.numpy.zeros(a.shape, dtype))
+            host = np.zeros(a.shape, dtype)
+        if mesh is None:
+            out.append(jax.numpy.asarray(host))
+        else:
+            spec = C.aval_mesh(a)[1] or jax.sharding.PartitionSpec()
+            sharding = jax.sharding.NamedSharding(mesh, spec)
+            out.append(jax.make_array_from_callback(a.shape, sharding, lambda i, h=host: h[i]))
     return out
 
 
 def _compiled(variant, args):
     fn = jax.jit(lambda *a: C.eval_closed(variant, *a))
     return fn.lower(*args).compile()
+
+
+def _in_clean_thread(fn: Callable[[], object]):
+    """`fn()` in a thread of its own, outside the trace this one is in: there
+    a mesh may be entered (`jax.set_mesh` refuses inside jit), and compiling
+    and running candidates leaves the trace untouched."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="jaxfuse-tuning", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _processes() -> int:
+    return jax.process_count()
+
+
+def _agree(index: int) -> int:
+    """Process 0's `index` on every process (several processes compile one
+    program, so they must all pick the same candidate)."""
+    from jax.experimental import multihost_utils
+
+    return int(_in_clean_thread(
+        lambda: multihost_utils.broadcast_one_to_all(np.int32(index))))
 
 
 def _wait_ready(out) -> None:
@@ -342,11 +398,21 @@ def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: 
         tuner.skipped.append(tuner._overran[key_text])
         return default, False
     choice = tuner.cache.get(key)
-    if choice is not None:
+    names = list(distinct)
+    several = _processes() > 1
+    if several:
+        # Every process takes process 0's stored choice, or all time the
+        # candidates together (timing runs collectives: all or none).
+        stored = _agree(names.index(choice) if choice in names else -1)
+        if stored >= 0:
+            return names[stored], True
+    elif choice is not None:
         return choice, True
     limit = tuner.run_limit()
     try:
-        times = _time(tuner, distinct, closed, key_text, limit, baseline)
+        mesh = _timing_mesh(closed)
+        times = _in_clean_thread(lambda: _time(tuner, distinct, closed, key_text, limit,
+                                               baseline, mesh, fixed_rounds=several))
     except _Overrun as e:
         reason = (f"{e.args[0]} did not end within the run limit of {limit:g} s on "
                   f"stand-in data (Autotuner.run_limit_s; default budget_s, at least 1 s)")
@@ -361,6 +427,8 @@ def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: 
         return default, False
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     choice = min(medians, key=medians.get)
+    if several:  # each process timed its own share: process 0's verdict for all
+        choice = names[_agree(names.index(choice))]
     tuner.cache.put(key, choice, medians)
     tuner.log.append((key, choice, medians))
     return choice, True
@@ -391,13 +459,15 @@ def _temp_bytes(compiled) -> int | None:
 
 
 def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
-          baseline: str) -> dict:
+          baseline: str, mesh=None, fixed_rounds: bool = False) -> dict:
     """{candidate: [seconds per round]}; raises `_Overrun` when a run does not
     end within `limit` seconds. A candidate whose compiled program holds more
     temp bytes than XLA's own (beyond a pacing value's) is not timed: it is
-    never chosen, since optimize must not raise a program's memory."""
-    with jax.ensure_compile_time_eval():
-        args = _inputs(closed)
+    never chosen, since optimize must not raise a program's memory. On `mesh`
+    (its arguments sharded as their types say); `fixed_rounds`: all `rounds`,
+    whatever the budget, so that every process runs the same programs."""
+    with C.mesh_context(mesh):
+        args = _inputs(closed, mesh=mesh)
         compiled = {name: _compiled(v, args) for name, v in distinct.items()}
     temps = {name: _temp_bytes(fn) for name, fn in compiled.items()}
     if temps.get(baseline) is not None:
@@ -421,6 +491,6 @@ def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
             run = lambda fn=compiled[name]: fn(*args)  # noqa: E731
             times[name].append(_within(limit, f"a timed run of the {name!r} candidate",
                                        lambda name=name, run=run: tuner.timer(name, run)))
-        if time.perf_counter() - start > tuner.budget_s:
+        if not fixed_rounds and time.perf_counter() - start > tuner.budget_s:
             break
     return times

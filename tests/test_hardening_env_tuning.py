@@ -348,17 +348,47 @@ def test_a_warm_up_past_the_limit_falls_back(tmp_path, args, monkeypatch):
         gate.set()
 
 
-def test_a_sharded_program_gets_the_cost_models_choice_and_the_reason(tmp_path):
-    # jax 0.10 carries explicit shardings on the avals; stand-in data made
-    # without the arguments' devices cannot be compiled for them.
-    from jax.sharding import NamedSharding, PartitionSpec as P
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS set in conftest)")
+@pytest.mark.parametrize("in_context", [False, True], ids=["no_mesh_context", "set_mesh"])
+def test_a_sharded_program_is_timed_sharded_as_its_arguments(tmp_path, monkeypatch, in_context):
+    # jax 0.10 carries explicit shardings in the avals: the stand-in data is
+    # laid out the same way, on the mesh set with jax.set_mesh or one like it.
+    from jax.sharding import NamedSharding
 
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     x = jax.device_put(jnp.ones((256, 64)), NamedSharding(mesh, P("data", "model")))
     b = jax.device_put(jnp.ones(64), NamedSharding(mesh, P("model")))
+    seen = []
+    real = tuning._compiled
+    monkeypatch.setattr(tuning, "_compiled",
+                        lambda v, a: (seen.append([y.sharding for y in a]), real(v, a))[1])
     t = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
-    f = lambda x, b: jnp.sum(jax.nn.relu(x + b))  # noqa: E731
-    out = jaxfuse.optimize(f, policy="measure", autotuner=t)(x, b)
+    f = lambda x, b: jax.nn.relu(x + b)  # noqa: E731
+    opt = jaxfuse.optimize(f, policy="measure", autotuner=t)
+    if in_context:
+        with jax.set_mesh(mesh):
+            out = opt(x, b)
+    else:
+        out = opt(x, b)
     np.testing.assert_array_equal(out, jax.jit(f)(x, b))
-    assert t.timer.calls == []
-    assert [why for why in t.skipped if "sharded over a mesh" in why], t.skipped
+    assert t.skipped == [] and set(t.timer.calls) == {"xla", "always"}
+    assert [c for _, c, _ in t.log] == ["always"]  # the faster one, by the fake timer
+    specs = [(tuple(s.mesh.axis_names), s.mesh.devices.shape, tuple(s.spec)) for s in seen[0]]
+    assert specs == [(("data", "model"), (4, 2), ("data", "model")),
+                     (("data", "model"), (4, 2), ("model",))]
+    if in_context:
+        assert all(s.mesh is mesh for s in seen[0])
+
+
+def test_a_mesh_larger_than_this_process_gets_the_cost_models_choice():
+    aval = jax.ShapeDtypeStruct((8,), jnp.float32)
+    big = jax.sharding.AbstractMesh((len(jax.devices()) + 1,), ("data",))
+
+    class Closed:  # the one thing _untimeable reads here: the argument types
+        jaxpr = jax.make_jaxpr(lambda x: x)(aval).jaxpr
+        consts = []
+        in_avals = [jax.ShapeDtypeStruct((8,), jnp.float32,
+                                         sharding=jax.sharding.NamedSharding(big, P("data")))]
+
+    why = tuning._untimeable(Closed)
+    assert why is not None and f"a mesh of {len(jax.devices()) + 1} devices" in why
