@@ -11,8 +11,12 @@ Modules, one job each:
   subjaxprs -- which higher-order primitives the pass descends into
   contraction -- where XLA would round a site differently (products it contracts)
   rules     -- `rule(pattern, replacement)`: patterns written as plain JAX functions
+  canonical -- spellings a rule's matcher treats alike (contraction layouts, constants)
   walker    -- the interpreter: post-order walk, matching, rebuilding
   report    -- Site / Skipped / Report, and the table `str(report)` prints
+  picture   -- the dataflow graph around the sites, before and after (`Report.graph`);
+               picture_save writes it (.dot/.svg/.png/.html), picture_plot draws
+               it without Graphviz
   api       -- optimize and explain
 """
 

@@ -265,6 +265,7 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
         closed = jax.make_jaxpr(flat_fun)(*dynamic)
     _, report = rewrite_for(closed, pats, policy, platform, C.definition_site(fun))
     report.platform = platform
+    report.traced = closed  # for report.graph("before")
     if memory:
         report.memory = {"jit": _compiled_memory(closed), "optimized": _compiled_memory(report.jaxpr)}
     return report

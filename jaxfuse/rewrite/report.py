@@ -138,6 +138,8 @@ class Report:
     traced ("jit") and as rewritten ("optimized"): temp, argument, output."""
     measured: str | None = None
     """What `auto` decided by timing rather than by rule (probe.py), if anything."""
+    traced: Any = dataclasses.field(default=None, repr=False)
+    """The ClosedJaxpr as traced, before the rewrite (set by `explain`)."""
 
     @property
     def fused(self) -> list[Site]:
@@ -150,6 +152,38 @@ class Report:
     @property
     def declined_for_cost(self) -> list[Site]:
         return [s for s in self.sites if s.declined_for_cost]
+
+    def graph(self, kind: str = "both", hops: int | None = None):
+        """The program's dataflow graph around the candidate sites, as a
+        `jaxfuse.rewrite.picture.Picture`: its Graphviz DOT text is `.dot`
+        (also `.source` and `str()`).
+
+        `kind`: "before" (the program as traced), "after" (as rewritten, each
+        fused site one node: the kernel's call or the rule's jit call) or
+        "both", side by side. Fused sites are green, declined ones red, with
+        the reason on the edge that caused it (the second reader of a value
+        the fused region would swallow) or in a note by the site. Bodies
+        holding a site (`jit[f]`, `scan/body`, `cond/branch1`) are clusters.
+        `hops=N` folds everything more than N edges from every site into one
+        "... k more" node per cluster.
+        """
+        from .picture import picture
+
+        return picture(self, kind, hops)
+
+    def save(self, path, *, kind: str = "both", hops: int | None = None,
+             renderer: str = "auto") -> str:
+        """Writes the picture (`graph(kind, hops)`) to `path`, by extension:
+        `.dot` (DOT text), `.svg` / `.png` (drawn with Graphviz's `dot` where
+        it is installed, else laid out with networkx and matplotlib:
+        `pip install 'jaxfuse[plot]'`), `.html` (one self-contained page: this
+        table and the SVG). `renderer`: "auto", "graphviz" or "matplotlib".
+        Raises `jaxfuse.rewrite.picture_save.MissingRendererError` when
+        nothing here can draw the picture. Returns `path`.
+        """
+        from .picture_save import save
+
+        return save(self, path, kind=kind, hops=hops, renderer=renderer)
 
     def __iter__(self):
         return iter(self.sites)

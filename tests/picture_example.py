@@ -1,0 +1,13 @@
+"""Functions for the command line tests of tests/test_pictures.py
+(`python -m jaxfuse.explain picture_example:...`)."""
+
+import jax
+
+
+def block(x, w, b):
+    return jax.nn.relu(x @ w + b)
+
+
+def add_read_twice(x, y):
+    s = x + y  # a second reader: the add cannot be fused away
+    return jax.nn.relu(s), s * 2.0
