@@ -119,6 +119,16 @@ def _paced(platform: str, avals_in, avals_out) -> bool:
     return out_bytes >= _CPU_PACING_MIN_OUTPUT_BYTES
 
 
+def _rounds_by_position(ctx, platform: str, params) -> bool:
+    """Whether XLA's own loop for this epilogue rounds element by element
+    differently (`_numerics.cpu_rounds_by_position`): then no kernel matches it."""
+    if platform != "cpu" or not params.get("scale"):
+        return False
+    out = ctx.avals_out[0]
+    return _numerics.cpu_rounds_by_position(
+        out.dtype, tuple(out.shape), [tuple(a.shape) for a in ctx.avals_in]) is not None
+
+
 def _kernel_lowering(platform: str, target: str, reference, attrs_of):
     def lower(ctx, *args, **params):
         facts = params.get("cost")
@@ -129,7 +139,7 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
             if why != "kernels disabled":
                 _warn_fallback(ctx, platform, why)
             return reference(ctx, *args, **params)
-        if not _fits_device(ctx, platform, target):
+        if not _fits_device(ctx, platform, target) or _rounds_by_position(ctx, platform, params):
             return reference(ctx, *args, **params)
         if _cost.platform_reason(facts, platform) is not None:
             # The pass recorded this site; on this platform XLA's own fusion of it wins.

@@ -61,6 +61,54 @@ _CUDA_F32 = Rounding(False, True, "measured on XLA:GPU, H200, jax 0.11.2")
 _CUDA_OTHER = Rounding(False, True, "assumed (like float32 / like XLA:CPU); checked by tests/test_gpu.py")
 
 
+# Measured (jax 0.11.2, XLA:CPU targeting AVX-512; tests/test_epilogue.py and
+# bench/results/cpu-avx512-lanes-2026-12-03.txt): where a per-channel operand
+# repeats along the rows while varying along an innermost dimension of 3 or 7,
+# LLVM vectorizes XLA's loop across groups of rows, with a multiply 8 lanes
+# wide feeding an add 16 wide for the last channel, which it then does not
+# contract; the remainder rows it does. So whether `v * s + t` rounds once
+# depends on the element's position, and no kernel rounds as that loop does.
+# (jax 0.10.2 contracted every element; the rule does not rely on that.)
+_CPU_POSITIONAL_CHANNELS = frozenset({3, 7})
+
+
+def cpu_contracts_dtype(dtype, level: str | None = None) -> bool:
+    """Whether XLA:CPU targeting ISA `level` (None: this process's) contracts a
+    product of `dtype` values into an add."""
+    level = level or _isa.target_level_here()
+    dtype = np.dtype(dtype)
+    if dtype in _WIDE:
+        return cpu_contracts(level)
+    return dtype == np.float16 and _isa.native_float16(level, _isa.host_flags())
+
+
+def _is_one(d) -> bool:
+    return isinstance(d, (int, np.integer)) and d == 1
+
+
+def cpu_rounds_by_position(dtype, out_shape, operand_shapes, level: str | None = None) -> str | None:
+    """Why XLA:CPU's own loop would round `v * s + t` differently from element
+    to element at this site (None: uniformly). `operand_shapes`: the shapes
+    the fused op reads, broadcast numpy-style to `out_shape`; `level`: the ISA
+    XLA targets (None: this process's)."""
+    level = level or _isa.target_level_here()
+    if level != "avx512" or not cpu_contracts_dtype(dtype, level):
+        return None
+    dims = [i for i, d in enumerate(out_shape) if not _is_one(d)]
+    if len(dims) < 2 or not isinstance(out_shape[dims[-1]], int) \
+            or out_shape[dims[-1]] not in _CPU_POSITIONAL_CHANNELS:
+        return None
+    inner, rank = dims[-1], len(out_shape)
+    for shape in operand_shapes:
+        aligned = (1,) * (rank - len(shape)) + tuple(shape)
+        if not _is_one(aligned[inner]) and any(_is_one(aligned[d]) for d in dims[:-1]):
+            return (f"XLA:CPU targeting AVX-512 vectorizes a loop whose operand repeats every "
+                    f"{out_shape[inner]} elements across groups of rows and contracts "
+                    f"`v * s + t` in some channels but not others, so its rounding depends on "
+                    f"the element's position, which no kernel reproduces")
+    return None
+
+
 def rounding(platform: str, dtype) -> Rounding:
     dtype = np.dtype(dtype)
     if platform == "cpu":

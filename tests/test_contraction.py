@@ -155,11 +155,51 @@ def test_a_product_the_caller_computes_for_an_inlined_call(rng):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: np.dtype(d).name)
-def test_narrow_types_round_every_product_so_it_fuses(rng, dtype):
+@pytest.mark.parametrize("product_shape", [(256,), (64, 256)], ids=["per-channel", "full"])
+def test_narrow_types_fuse_a_product_unless_xla_contracts_them(rng, dtype, product_shape):
     x = _data(rng, (64, 256), dtype)
-    s, t = _data(rng, (256,), dtype), _data(rng, (256,), dtype)
+    s, t = _data(rng, product_shape, dtype), _data(rng, product_shape, dtype)
     report = _check(lambda x, s, t: jax.nn.relu(x + s * t), x, s, t)
-    assert _fused(report) == ["add_relu"]
+    if len(product_shape) == 2:  # the epilogue's own product, rounded as XLA does
+        assert _fused(report) == ["scale_shift_relu"]
+    elif _numerics.cpu_contracts_dtype(dtype):
+        # float16 computed natively (AVX512-FP16): a product repeated along
+        # the rows is declined, as for float32.
+        assert not report.fused and "product" in report.sites[0].reason
+    else:  # rounded after every operation: the fused op reads the rounded product
+        assert _fused(report) == ["add_relu"]
+
+
+# ------------------------------------------------ rounding by element position
+def test_which_sites_xla_rounds_by_position():
+    at = lambda out, *ops, dtype=np.float32, level="avx512": _numerics.cpu_rounds_by_position(  # noqa: E731
+        dtype, out, ops, level=level)
+    assert at((129, 3), (129, 3), (3,), (3,))  # per-channel rows of 3
+    assert at((3, 67, 7), (3, 67, 7), (1, 1, 7), (1, 1, 7))  # rows of 7
+    assert at((67, 3), (67, 3), (), (3,), dtype=np.float64)
+    assert not at((129, 3), (129, 3), (3,), (3,), level="avx2")  # one rounding throughout
+    assert not at((129, 3), (129, 3), (3,), (3,), dtype=jnp.bfloat16)  # never contracted
+    assert not at((129, 5), (129, 5), (5,), (5,))
+    assert not at((129, 3), (129, 3), (129, 3), (129, 1))  # nothing repeats along the rows
+    assert not at((3,), (3,), (3,), (3,))  # one row
+
+
+@pytest.mark.parametrize("shape", [(67, 3), (5, 4, 3), (3, 67, 7), (67, 5)], ids=str)
+@pytest.mark.parametrize("dtype", WIDE, ids=lambda d: np.dtype(d).name)
+def test_sites_xla_rounds_by_position_keep_xla_bits(rng, shape, dtype):
+    with _x64(dtype):
+        x, r = _data(rng, shape, dtype), _data(rng, shape, dtype)
+        s, t = _data(rng, shape[-1:], dtype), _data(rng, shape[-1:], dtype)
+        f = lambda x, s, t, r: jax.nn.relu(x * s + t + r)  # noqa: E731
+        report = _check(f, x, s, t, r)
+        positional = _numerics.cpu_rounds_by_position(dtype, shape, [shape, s.shape, t.shape, shape])
+        if positional:
+            assert not report.fused and "position" in report.sites[0].reason
+        else:
+            assert _fused(report) == ["scale_shift_residual_relu"]
+        # The fused op called directly keeps XLA's bits too (its lowering uses XLA's ops there).
+        got = jax.jit(lambda *a: jaxfuse.scale_shift_relu(a[0], a[1], a[2], residual=a[3]))(x, s, t, r)
+        assert_bitwise_equal(got, jax.jit(f)(x, s, t, r))
 
 
 # ----------------------------------------------------------- the ISA XLA targets

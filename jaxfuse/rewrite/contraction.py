@@ -37,8 +37,11 @@ broadcasts and negation, and into and out of the bodies of calls XLA inlines
 (jit, custom_jvp/vjp, checkpoint: `jax.nn.standardize` under `grad` is one);
 a product the caller of the jaxpr being rewritten computes for it is passed
 down by the walker (`feeds`).
-float16 and bfloat16 are rounded after every operation
-(jaxfuse/_numerics.py), so no product is contracted there.
+float16 and bfloat16 are rounded after every operation without contracting
+(jaxfuse/_numerics.py), except float16 where XLA:CPU computes it natively
+(AVX512-FP16), which contracts like float32. Where XLA's own loop contracts
+some elements and not others (`_numerics.cpu_rounds_by_position`), the site
+is declined.
 tests/test_contraction.py pins each rule against XLA.
 """
 
@@ -49,6 +52,7 @@ import math
 import numpy as np
 
 from .. import _compat as C
+from .. import _numerics
 from .cost import FUSIBLE, TRANSPARENT, body_of
 from .graph import Graph, output_index
 
@@ -277,7 +281,9 @@ def _unalike_add(operand, out_shape, graph: Graph):
                 if add_varies is None or p_varies is None:
                     alike = False
                 elif p_varies == add_varies:
-                    alike = True  # computed together: contracted in both loops
+                    # computed together: contracted in both loops, unless XLA's
+                    # loop contracts by element position, which may differ between them
+                    alike = not _positional(eqn.outvars[0].aval.dtype, out_shape)
                 else:  # hoisted out of the innermost loop in both, where that loop is the same
                     alike = (not permuted and inner in add_varies and inner not in p_varies)
                 if not alike:
@@ -287,6 +293,17 @@ def _unalike_add(operand, out_shape, graph: Graph):
                 todo.append((a, _dims_of_operand(eqn, k, dims), permuted or name == "transpose",
                              g, frames))
     return None
+
+
+def _positional(dtype, out_shape) -> bool:
+    """Whether XLA:CPU may contract products in a loop over `out_shape` in
+    some elements and not others (_numerics), given an operand that repeats
+    along the rows: then two loops computing the same add may round it apart."""
+    inner = _innermost(out_shape)
+    if inner is None:
+        return False
+    per_channel = tuple(d if i == inner else 1 for i, d in enumerate(out_shape))
+    return _numerics.cpu_rounds_by_position(dtype, out_shape, [per_channel]) is not None
 
 
 def addend_hazard(position: int, label: str, operand, out_shape, graph: Graph) -> str | None:
@@ -304,7 +321,7 @@ def site_reason(labels, operands, addends, factors, out_aval, graph: Graph) -> s
 
     `addends`: labels of operands the site adds or subtracts; `factors`: labels
     of the operands of the site's own product, if it has one."""
-    if np.dtype(out_aval.dtype) not in _WIDE:
+    if np.dtype(out_aval.dtype) not in _WIDE and not _numerics.cpu_contracts_dtype(out_aval.dtype):
         return None  # rounded after every operation: nothing is contracted
     out_shape = tuple(out_aval.shape)
     # (Symbolic sizes are fine: the rules below only ask which sizes are 1.)
@@ -321,6 +338,10 @@ def site_reason(labels, operands, addends, factors, out_aval, graph: Graph) -> s
         if not full(shapes, out_shape):
             return (f"the product `{product}` repeats along an outer dimension: whether XLA "
                     f"contracts it into a fused multiply-add depends on how its loop is unrolled")
+        positional = _numerics.cpu_rounds_by_position(
+            out_aval.dtype, out_shape, [o.shape for o in operands])
+        if positional:
+            return positional
     for label in addends:
         why = addend_hazard(list(labels).index(label) + 1, label, by_label[label], out_shape, graph)
         if why:
