@@ -92,25 +92,18 @@ def _fits_device(ctx, platform, target) -> bool:
 
 
 def _paced(platform: str, avals_in, avals_out) -> bool:
-    """Whether this call gets a pacing value (`_sharding.pacing_value`).
+    """Whether this call gets a pacing value (`_sharding.pacing_value`): on CPU,
+    from 512 KiB of output, and not for symbolic shapes (their size is unknown).
 
-    XLA:CPU runs a program it estimates under 1000 flops inline on the thread
-    that dispatched it, and counts a custom call as -1 flops, so a program
-    holding only kernel calls runs inline where XLA's own fusion of the same op
-    runs on its thread pool. Inline, the call's outputs are allocated and freed
-    on the dispatching thread in step with the caller's loop, and the C
-    allocator can hand them out again as memory it has just returned to the
-    operating system, so every page faults again. Measured on the 2-core VM
-    with bench/probes/pacing_loop.py (bench/results/cpu-pacing-loop-2026-12-01.txt:
-    relu(a + b) in float32, bfloat16 and float16, two input histories, two
-    runs), 50 calls back to back, each result dropped: from 512 KiB of output
-    the inline kernel lost in 26 of 52 cases, 1.21-4.02x XLA's time with up to
-    339 faults a call; paced it took at most 6 and 0.67-1.21x (the one loss is
-    float32 at 2^18 elements, which policy="auto" leaves to XLA). Below 512
-    KiB inline faulted at most once a call and keeps what it wins on a
-    waited-for call, the hand-off to the pool that XLA's own program pays
-    (0.17-0.58x of XLA's time inline, 0.57-1.18x paced). Shapes with symbolic
-    dimensions (shape-polymorphic export) are not paced: their size is unknown.
+    XLA:CPU runs a program it estimates under 1000 flops inline on the
+    dispatching thread, and counts a custom call as -1 flops, so a program of
+    kernel calls alone would run inline where XLA's own fusion runs on its
+    pool. Inline, outputs are allocated and freed in step with the caller's
+    loop, and the allocator can hand back pages it has just returned to the
+    system, so every page faults again. The pacing value gives the program
+    work XLA counts, so it runs on the pool as XLA's does. The threshold and
+    the losses it avoids: bench/results/cpu-pacing-loop-2026-12-01.txt,
+    bench/probes/pacing_loop.py, and the notes beside them.
     """
     avals = (*avals_in, *avals_out)
     if platform != "cpu" or not all(isinstance(d, int) for a in avals for d in a.shape):

@@ -37,6 +37,7 @@ import textwrap
 
 from .. import _compat as C
 from . import subjaxprs
+from .report import join_path
 
 KINDS = ("before", "after", "both")
 
@@ -234,7 +235,7 @@ class _Program:
 
     def equation(self, eqn, path, cluster, env, chain, chain_paths):
         bodies, known = _bodies(eqn)
-        if any(_join(path, seg) in self.expanded for _, seg in bodies):
+        if any(join_path(path, seg) in self.expanded for _, seg in bodies):
             self.call(eqn, bodies, known, path, cluster, env, chain, chain_paths)
             return
         name = _call_name(bodies) if bodies else eqn.primitive.name
@@ -255,7 +256,7 @@ class _Program:
         unbound = []  # input nodes of bodies whose operands the call does not map 1:1
         bound = set()  # ids of the operands some body reads as an input
         for body, seg in bodies:
-            sub = _join(path, seg)
+            sub = join_path(path, seg)
             cid = self.cluster(seg, cluster, sub)
             atoms = _operands_of(eqn, body, seg) if known else None
             bound.update(id(a) for a in atoms or ())
@@ -413,10 +414,6 @@ def _operands_of(eqn, body, segment):
     elif segment == "while/body" or segment.startswith("cond/branch"):
         atoms = atoms[max(len(atoms) - n, 0):]  # after cond's consts / the branch index
     return atoms if len(atoms) == n else None
-
-
-def _join(path: str, segment: str) -> str:
-    return "/".join(p for p in (path, segment) if p)
 
 
 def _call_name(bodies) -> str:

@@ -23,7 +23,8 @@ def human_bytes(n: float | None) -> str:
     return f"{n:.0f} TiB"  # pragma: no cover
 
 
-def _join(path: str, segment: str) -> str:
+def join_path(path: str, segment: str) -> str:
+    """A nesting path (`scan/body`) with one more segment."""
     return "/".join(p for p in (path, segment) if p)
 
 
@@ -92,7 +93,7 @@ class Site(_Located):
 
     def rebased(self, segment: str, sources: tuple) -> "Site":
         """This site as seen from an enclosing jaxpr (`segment` deeper, more context)."""
-        return dataclasses.replace(self, path=_join(segment, self.path),
+        return dataclasses.replace(self, path=join_path(segment, self.path),
                                    _sources=(*self._sources, *sources))
 
     def __repr__(self):
@@ -110,7 +111,7 @@ class Skipped(_Located):
     _fallback: tuple | None = dataclasses.field(default=None, repr=False)
 
     def rebased(self, segment: str, sources: tuple) -> "Skipped":
-        return dataclasses.replace(self, path=_join(segment, self.path),
+        return dataclasses.replace(self, path=join_path(segment, self.path),
                                    _sources=(*self._sources, *sources))
 
     @property
