@@ -97,12 +97,9 @@ class Settings:
     caches of traffic ago (or, not written by one of the last 16 calls, when
     the call itself touches that much), and never into pages not yet faulted
     in, which the kernel zeroes through the cache (csrc/output_reuse.h).
-    Measured on the 2-core VM (bench/results/cpu-streaming-2026-12-01.txt):
-    always streaming never won in a loop of one call on fixed inputs touching
-    16-40 MiB (0.96-1.47x), whose output stays cached; auto keeps plain stores
-    there and takes the wins where outputs are evicted. 2-byte types are
-    never streamed in auto mode (their kernels convert every element; forced
-    streaming lost 1.04-1.34x for bfloat16)."""
+    2-byte types are never streamed in auto mode: their kernels convert
+    every element, and forced streaming lost there. The measurements behind
+    these rules: bench/results/cpu-streaming-2026-12-01.txt."""
     cuda_variant: int = 0
     """JAXFUSE_CUDA_VARIANT: which add+ReLU CUDA kernel variant runs (0-3, see
     csrc/add_relu_cuda.cu); 0, the one validated on an H200, unless a
