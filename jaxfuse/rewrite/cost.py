@@ -172,38 +172,25 @@ class ConvBand:
         return self.low <= elements and (self.high is None or elements < self.high)
 
 
-# Conv-fed BatchNorm epilogues (ConvBand; bench/results/thresholds-forms-cpu-2026-12-02.txt):
-# inside a conv net these forms pay at far smaller sizes than the op thresholds
-# below say: hk.nets.ResNet50 in inference mode (4x96x96, 8x160x160) with every
-# such site from 2^14 to 2^22 elements fused read 0.87-0.91x jit, where the old
-# threshold declined all 49. Single-block programs (bench/thresholds.py
-# --forms) tie within the VM's noise over that range, most clearly not losing
-# with wide channels, and the single 1x1-conv program lost at 2^22, so the band
-# ends there and narrow sites start at 2^17. Where XLA:CPU's YNNPACK fusion
-# absorbs the convolutions, BatchNorms and a closing mean into one subgraph
-# (a two-block haiku ResNet: 1.7x slower with the sites fused), a custom call
-# splits it: probe.py sees that in XLA's compiled program and gives those
-# sites back.
+# Conv-fed BatchNorm epilogues (ConvBand): inside a conv net these forms pay
+# at far smaller sizes than the op thresholds below, so a band of sizes per
+# form and channel width decides them; where XLA:CPU's YNNPACK fusion absorbs
+# the convolutions and BatchNorms into one subgraph, a custom call would split
+# it, and probe.py gives those sites back after seeing XLA's compiled program.
+# Source: bench/results/thresholds-forms-cpu-2026-12-02.txt.
 #
-# ISA levels (_isa.py): the thresholds below were measured on AVX2 hosts,
-# where XLA:CPU's loops and the kernels' AVX2 loops have the same vector width.
-# On an AVX-512 host (AMD EPYC, jax 0.10.2; issue report, 2026-12) XLA's float16
-# loop converts 16 lanes at a time and beat the kernel at every size tried:
-# relu(x + bias) fused took 0.98-1.53x (latency) and 1.10-1.46x (throughput)
-# jit's time from 2^18 to 2^22 elements, while bfloat16 still won (0.75-0.82x)
-# and `jaxfuse-bench --quick` flagged no other dtype. Levels below AVX2 (XLA
-# held to SSE4.2 or AVX, or an older CPU; the kernels then take their baseline
-# loops) and other machines (AArch64) were never measured, so `auto` declines
-# there.
+# ISA levels (_isa.py): the thresholds were measured where XLA targets AVX2,
+# and hold where it targets AVX-512 for float32, float64 and bfloat16; there
+# XLA's float16 loop (16 lanes converted at a time, or native with
+# AVX512-FP16) beats the kernel, on an AMD EPYC host (issue report) and on
+# an Intel one, so float16 is declined at that level. Levels below AVX2 and
+# other machines were never measured, so `auto` declines there. Sources: the
+# results README's AVX2 and AVX-512 sections.
 #
-# Thresholds: `python bench/thresholds.py` measures the smallest size from which
-# the kernel beats XLA's own fusion of the site inside a program, at every
-# larger size, in both timing modes (paired 95% intervals). Each value is the
-# largest of three runs (bench/results/thresholds-cpu-2026-12-01.txt): float32
-# ties XLA's loop up to ~2^22 elements on that VM and wins from 2^23 (the output
-# streamed where it arrives evicted, huge pages where XLA's buffer is fresh);
-# the narrow types win from 2^18-2^20 (XLA's float16/bfloat16 loops are slower
-# than the kernel's; below that some runs tie).
+# Thresholds: `python bench/thresholds.py` measures the smallest size from
+# which the kernel beats XLA's own fusion of the site inside a program, at
+# every larger size, in both timing modes (paired 95% intervals); each value
+# is the largest of three runs (bench/results/thresholds-cpu-2026-12-01.txt).
 PLATFORMS = {
     "cpu": PlatformFacts(
         min_elements={"float32": 1 << 23, "float64": 1 << 22, "bfloat16": 1 << 20,
@@ -232,8 +219,8 @@ PLATFORMS = {
         conv_source="bench/results/thresholds-forms-cpu-2026-12-02.txt",
         isa_levels=("avx2", "avx512"),
         isa_min_elements={("avx512", "float16"): None},
-        isa_source="an AVX-512 host: XLA's float16 loop beat the kernel 1.10-1.53x from 2^18 "
-                   "to 2^22 elements"),
+        isa_source="AVX-512 hosts: XLA's float16 loop beat the kernel "
+                   "(bench/results/cpu-avx512-ops-2026-12-03.json)"),
     # Measured on an H200 (jax 0.11.2, at 76b89bd): the CUDA add+ReLU kernel took
     # 0.98-1.09x XLA's time for float32/bfloat16 at 2^24..2^28 (ahead only for
     # the bfloat16 bias form), so on CUDA no size pays yet: auto leaves every
