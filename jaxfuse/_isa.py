@@ -74,8 +74,9 @@ def is_x86(level: str) -> bool:
     return level in X86_LEVELS
 
 
+@functools.lru_cache(maxsize=None)
 def host_flags() -> frozenset[str]:
-    """The CPU's feature flags, as /proc/cpuinfo spells them."""
+    """The CPU's feature flags, as /proc/cpuinfo spells them (read once)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

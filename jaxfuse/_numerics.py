@@ -62,35 +62,40 @@ _CUDA_OTHER = Rounding(False, True, "assumed (like float32 / like XLA:CPU); chec
 
 
 # Measured (jax 0.11.2, XLA:CPU targeting AVX-512; tests/test_epilogue.py and
-# bench/results/cpu-avx512-lanes-2026-12-03.txt): where a per-channel operand
-# repeats along the rows while varying along an innermost dimension of 3 or 7,
-# LLVM vectorizes XLA's loop across groups of rows, with a multiply 8 lanes
-# wide feeding an add 16 wide for the last channel, which it then does not
-# contract; the remainder rows it does. So whether `v * s + t` rounds once
-# depends on the element's position, and no kernel rounds as that loop does.
-# (jax 0.10.2 contracted every element; the rule does not rely on that.)
+# bench/results/cpu-avx512-position-rounding-2026-12-03.txt): where a
+# per-channel operand repeats along the rows while varying along an innermost
+# dimension of 3 or 7, LLVM vectorizes XLA's loop across groups of rows, with a
+# multiply 8 lanes wide feeding an add 16 wide for the last channel, which it
+# then does not contract; the remainder rows it does. So whether `v * s + t`
+# rounds once depends on the element's position, and no kernel rounds as that
+# loop does. (jax 0.10.2 contracted every element; the rule does not rely on that.)
 _CPU_POSITIONAL_CHANNELS = frozenset({3, 7})
+
+
+def _cpu_rounding(dtype, level: str) -> Rounding:
+    """How XLA:CPU rounds `dtype` when it targets ISA `level`."""
+    if dtype == np.float16 and _isa.native_float16(level, _isa.host_flags()):
+        return _CPU_FLOAT16_NATIVE
+    if dtype not in _WIDE:
+        return _CPU_NARROW
+    return _CPU_WIDE if cpu_contracts(level) else _CPU_WIDE_NO_FMA
 
 
 def cpu_contracts_dtype(dtype, level: str | None = None) -> bool:
     """Whether XLA:CPU targeting ISA `level` (None: this process's) contracts a
     product of `dtype` values into an add."""
-    level = level or _isa.target_level_here()
-    dtype = np.dtype(dtype)
-    if dtype in _WIDE:
-        return cpu_contracts(level)
-    return dtype == np.float16 and _isa.native_float16(level, _isa.host_flags())
+    return _cpu_rounding(np.dtype(dtype), level or _isa.target_level_here()).contract
 
 
 def _is_one(d) -> bool:
     return isinstance(d, (int, np.integer)) and d == 1
 
 
-def cpu_rounds_by_position(dtype, out_shape, operand_shapes, level: str | None = None) -> str | None:
-    """Why XLA:CPU's own loop would round `v * s + t` differently from element
-    to element at this site (None: uniformly). `operand_shapes`: the shapes
-    the fused op reads, broadcast numpy-style to `out_shape`; `level`: the ISA
-    XLA targets (None: this process's)."""
+def cpu_positional_channels(dtype, out_shape, level: str | None = None):
+    """Where XLA:CPU's loop over `out_shape` may contract products in some
+    elements and not others, given an operand that repeats along the rows while
+    varying along the innermost dimension: (innermost dim, the other dims of
+    more than one element); None where it rounds every element alike."""
     level = level or _isa.target_level_here()
     if level != "avx512" or not cpu_contracts_dtype(dtype, level):
         return None
@@ -98,10 +103,22 @@ def cpu_rounds_by_position(dtype, out_shape, operand_shapes, level: str | None =
     if len(dims) < 2 or not isinstance(out_shape[dims[-1]], int) \
             or out_shape[dims[-1]] not in _CPU_POSITIONAL_CHANNELS:
         return None
-    inner, rank = dims[-1], len(out_shape)
+    return dims[-1], dims[:-1]
+
+
+def cpu_rounds_by_position(dtype, out_shape, operand_shapes, level: str | None = None) -> str | None:
+    """Why XLA:CPU's own loop would round `v * s + t` differently from element
+    to element at this site (None: uniformly). `operand_shapes`: the shapes
+    the fused op reads, broadcast numpy-style to `out_shape`; `level`: the ISA
+    XLA targets (None: this process's)."""
+    found = cpu_positional_channels(dtype, out_shape, level)
+    if found is None:
+        return None
+    inner, rows = found
+    rank = len(out_shape)
     for shape in operand_shapes:
         aligned = (1,) * (rank - len(shape)) + tuple(shape)
-        if not _is_one(aligned[inner]) and any(_is_one(aligned[d]) for d in dims[:-1]):
+        if not _is_one(aligned[inner]) and any(_is_one(aligned[d]) for d in rows):
             return (f"XLA:CPU targeting AVX-512 vectorizes a loop whose operand repeats every "
                     f"{out_shape[inner]} elements across groups of rows and contracts "
                     f"`v * s + t` in some channels but not others, so its rounding depends on "
@@ -112,11 +129,7 @@ def cpu_rounds_by_position(dtype, out_shape, operand_shapes, level: str | None =
 def rounding(platform: str, dtype) -> Rounding:
     dtype = np.dtype(dtype)
     if platform == "cpu":
-        if dtype == np.float16 and _isa.native_float16_here():
-            return _CPU_FLOAT16_NATIVE
-        if dtype not in _WIDE:
-            return _CPU_NARROW
-        return _CPU_WIDE if cpu_contracts_here() else _CPU_WIDE_NO_FMA
+        return _cpu_rounding(dtype, _isa.target_level_here())
     if platform == "cuda":
         return _CUDA_F32 if dtype == np.float32 else _CUDA_OTHER
     # Other platforms lower to XLA's own ops, which round as that platform does.

@@ -283,7 +283,8 @@ def _unalike_add(operand, out_shape, graph: Graph):
                 elif p_varies == add_varies:
                     # computed together: contracted in both loops, unless XLA's
                     # loop contracts by element position, which may differ between them
-                    alike = not _positional(eqn.outvars[0].aval.dtype, out_shape)
+                    alike = _numerics.cpu_positional_channels(eqn.outvars[0].aval.dtype,
+                                                              out_shape) is None
                 else:  # hoisted out of the innermost loop in both, where that loop is the same
                     alike = (not permuted and inner in add_varies and inner not in p_varies)
                 if not alike:
@@ -293,17 +294,6 @@ def _unalike_add(operand, out_shape, graph: Graph):
                 todo.append((a, _dims_of_operand(eqn, k, dims), permuted or name == "transpose",
                              g, frames))
     return None
-
-
-def _positional(dtype, out_shape) -> bool:
-    """Whether XLA:CPU may contract products in a loop over `out_shape` in
-    some elements and not others (_numerics), given an operand that repeats
-    along the rows: then two loops computing the same add may round it apart."""
-    inner = _innermost(out_shape)
-    if inner is None:
-        return False
-    per_channel = tuple(d if i == inner else 1 for i, d in enumerate(out_shape))
-    return _numerics.cpu_rounds_by_position(dtype, out_shape, [per_channel]) is not None
 
 
 def addend_hazard(position: int, label: str, operand, out_shape, graph: Graph) -> str | None:
