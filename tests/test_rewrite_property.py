@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxfuse
+from jaxfuse import _numerics
 from conftest import random_operand, xla_compiles_float16
 from rewrite_support import assert_trees, fused_count, kernel_active, explain_all, fuse
 
@@ -108,6 +109,12 @@ def product_meets_add(steps) -> bool:
                for op, x, y in steps)
 
 
+def contraction_decides(dtype) -> bool:
+    """Whether the contraction rules apply to `dtype` here: float32, and float16
+    where XLA:CPU computes it natively and so contracts it (AVX512-FP16)."""
+    return np.dtype(dtype) == np.float32 or _numerics.cpu_contracts_dtype(dtype)
+
+
 def exact_expected(dtype) -> bool:
     """Whether the optimized program must match `jax.jit(f)` bit for bit with the
     kernel in use: always for float32 and int32 (a site XLA would round otherwise
@@ -132,7 +139,7 @@ def test_random_programs(program, dtype, seed):
 
     candidates, eligible, eligible_live = eligible_sites(steps, outputs, dtype)
     report = explain_all(f, *inputs)
-    counted = not (product_meets_add(steps) and np.dtype(dtype) == np.float32)
+    counted = not (product_meets_add(steps) and contraction_decides(dtype))
     if counted:
         assert len(report.fused) == eligible, (steps, outputs, str(report))
     else:  # fewer, where a product meets an add
