@@ -77,6 +77,14 @@ _is_user_filename = _private("jax._src.source_info_util", "is_user_filename")
 _bool_state = _private("jax._src.config", "bool_state")
 # The mesh `jax.set_mesh` entered, readable inside jit (jax.sharding.get_mesh is not).
 _concrete_mesh = _private("jax._src.mesh", "get_concrete_mesh")
+# Emitting a rewritten jaxpr into jit's trace as jax inlines a nested jit
+# (pe.inline_jaxpr_into_trace), each equation keeping its own source info.
+_trace_ctx = _private("jax._src.core", "trace_ctx")
+_DynamicJaxprTrace = _private("jax._src.interpreters.partial_eval", "DynamicJaxprTrace")
+_DynamicJaxprTracer = _private("jax._src.interpreters.partial_eval", "DynamicJaxprTracer")
+_try_constant_folding = _private("jax._src.interpreters.partial_eval", "try_constant_folding")
+_JaxprInputEffect = _private("jax._src.effects", "JaxprInputEffect")
+_current_source = _private("jax._src.source_info_util", "current")
 
 
 def require_devices_during_lowering(primitive) -> None:
@@ -134,6 +142,11 @@ def new_eqn(invars, outvars, primitive, params, *, like: JaxprEqn, effects=None)
     )
 
 
+def replace_vars(eqn: JaxprEqn, invars, outvars) -> JaxprEqn:
+    """`eqn` over other variables (an effect-free one: its effects name none)."""
+    return eqn.replace(invars=list(invars), outvars=list(outvars))
+
+
 def replace_params(eqn: JaxprEqn, params: dict) -> JaxprEqn:
     return eqn.replace(params=params)
 
@@ -150,6 +163,43 @@ def replace_closed(closed: ClosedJaxpr, jaxpr: Jaxpr) -> ClosedJaxpr:
 def eval_closed(closed: ClosedJaxpr, *args) -> list[Any]:
     """Binds the jaxpr's equations into the current trace, source info included."""
     return _xcore.jaxpr_as_fun(closed)(*args)
+
+
+def inline_closed(closed: ClosedJaxpr, *args) -> list[Any]:
+    """`eval_closed`'s result, with the equations emitted into the current jit
+    trace as they are, as jax inlines a nested jit: binding them again would
+    re-run every primitive's tracing rules, which costs about half of tracing
+    the user's function over again. Falls back to `eval_closed` wherever that
+    shortcut does not apply (not under a jit trace, constants that are tracers)."""
+    trace = getattr(_trace_ctx, "trace", None)
+    if (isinstance(_DynamicJaxprTrace, _Missing) or not isinstance(trace, _DynamicJaxprTrace)
+            or not all(isinstance(a, _DynamicJaxprTracer) and a._trace is trace for a in args)
+            or any(isinstance(c, Tracer) for c in closed.consts)):
+        return eval_closed(closed, *args)
+    jaxpr, here = closed.jaxpr, _current_source()
+    env = dict(zip(jaxpr.constvars, [trace.new_const(c, here) for c in closed.consts]))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(atom, src):
+        if isinstance(atom, Literal):
+            return _DynamicJaxprTracer(trace, atom.aval, atom, src)
+        return env[atom]
+
+    for eqn in jaxpr.eqns:
+        src = eqn.source_info.replace(name_stack=here.name_stack + eqn.source_info.name_stack)
+        ins = [read(a, src) for a in eqn.invars]
+        avals = [v.aval for v in eqn.outvars]
+        folded = _try_constant_folding(eqn.primitive, ins, eqn.params, avals)
+        if folded is not None:
+            outs = [trace.new_const(c, src, aval=a) for c, a in zip(folded, avals)]
+        else:
+            effects = eqn.effects and {
+                e.replace(env[e.input].val) if isinstance(e, _JaxprInputEffect) else e
+                for e in eqn.effects}
+            outs = trace.emit_eqn(ins, avals, eqn.primitive, eqn.params, effects, src, eqn.ctx)
+        for v, t in zip(eqn.outvars, outs):
+            env.setdefault(v, t)
+    return [read(a, here) for a in jaxpr.outvars]
 
 
 def literal_value(atom) -> np.ndarray | None:

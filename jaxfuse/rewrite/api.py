@@ -160,7 +160,7 @@ class _Traced:
         dynamic = jax.tree_util.tree_leaves(
             (tuple(a for i, a in enumerate(args) if i not in nums), dyn_kw))
         new = self.rewritten(closed)
-        out = C.eval_closed(new, *dynamic)
+        out = C.inline_closed(new, *dynamic)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
 
     def rewritten(self, closed):
