@@ -398,3 +398,35 @@ def test_graph_readers_are_each_equation_reading_a_value_once_in_order():
     calls = []
     assert graph.cached("k", lambda: calls.append(1) or 7) == 7
     assert graph.cached("k", lambda: calls.append(1) or 8) == 7 and calls == [1]
+
+
+def test_a_pattern_is_offered_only_jaxprs_holding_what_it_needs(rng):
+    from jaxfuse.rewrite import Pattern
+
+    offered = []
+
+    def match(eqn, graph):
+        offered.append({e.primitive.name for e in graph.eqns})
+        return None
+
+    picky = Pattern("picky", match, lambda m, g: None, lambda m, g: [], roots={"max"},
+                    needs={"sin"})
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    rewrite(jax.make_jaxpr(lambda x: jnp.maximum(x + 1.0, 0.0))(x), [picky])
+    assert offered == []  # no `sin` in the jaxpr: never asked
+    rewrite(jax.make_jaxpr(lambda x: jnp.maximum(jnp.sin(x), 0.0))(x), [picky])
+    assert len(offered) == 1 and "sin" in offered[0]
+    # Inside a body too, and through a small jit the walker inlines.
+    inner = jax.jit(lambda x: jnp.sin(x))
+    offered.clear()
+    rewrite(jax.make_jaxpr(lambda x: jax.lax.scan(
+        lambda c, _: (jnp.maximum(inner(c), 0.0), None), x, None, length=2)[0])(x), [picky])
+    assert len(offered) == 1
+
+
+def test_built_in_patterns_need_the_primitives_of_their_trees():
+    needs = {p.name: p.needs for p in registered_patterns()}
+    assert needs["add_relu"] == {"add"}
+    assert needs["scale_shift_relu"] == {"add", "mul"}
+    assert needs["bn_relu"] == {"add", "mul", "sub"}
+    assert all(n is not None and "add" in n for n in needs.values())

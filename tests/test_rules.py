@@ -4,6 +4,8 @@ from flax and dm-haiku."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -459,6 +461,29 @@ def test_a_division_by_a_constant_is_a_multiplication_by_its_reciprocal(rng):
     report = jaxfuse.explain(jaxfuse.optimize(lambda x: jnp.tanh(x * 0.5), patterns=[r]), x)
     (site,) = report.sites
     assert not site.fused and "does not re-trace" in site.reason
+
+
+def test_a_rule_needs_only_what_every_match_holds(rng):
+    """A rule is offered only jaxprs holding the primitives every match of it
+    walks through: not shape-only steps, `div`/`mul` (each matches the other),
+    a contraction's parts or what folds to a constant."""
+    tanh_rule = jaxfuse.rule(lambda x: jnp.tanh(x / jnp.sqrt(3.0).astype(x.dtype)),
+                             lambda x: jnp.tanh(x * 0.5773502691896258), name="scaled_tanh")
+    assert tanh_rule.needs == {"tanh"}
+    dense = jaxfuse.rule(dense_gelu, _counting_gelu(), name="dense_gelu")
+    assert "add" in dense.needs and not dense.needs & {"dot_general", "transpose", "mul",
+                                                         "broadcast_in_dim"}
+    both = jaxfuse.rule([lambda x, y: jnp.sin(x) + y, lambda x, y: jnp.sin(x) - y],
+                        lambda x, y: jnp.sin(x) + y, name="sin_add")
+    assert both.needs == {"sin"}  # what every spelling holds
+
+    calls = []
+    counted = dataclasses.replace(tanh_rule, match=lambda e, g: calls.append(e) or tanh_rule.match(e, g))
+    x = _normal(rng, 6, 5)
+    jaxfuse.explain(jaxfuse.optimize(lambda x: jnp.sin(x * 0.5) + x, patterns=[counted]), x)
+    assert calls == []  # no tanh anywhere: no match attempted
+    report = jaxfuse.explain(jaxfuse.optimize(lambda x: jnp.tanh(x * 0.5), patterns=[counted]), x)
+    assert calls and "does not re-trace" in report.sites[0].reason  # near misses still shown
 
 
 def test_constants_fold_only_where_the_host_computes_xlas_value():

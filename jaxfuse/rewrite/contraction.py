@@ -125,6 +125,12 @@ def _producer(atom, graph: Graph, frames=()):
 def product_of(atom, graph: Graph, frames=()) -> str | None:
     """The primitive of the product XLA computes in the loop reading `atom`,
     or None when `atom` is not (provably) such a product."""
+    if not frames and C.is_var(atom):  # asked of the same value by every pattern
+        return graph.cached(("product of", atom), lambda: _product_of(atom, graph, ()))
+    return _product_of(atom, graph, frames)
+
+
+def _product_of(atom, graph: Graph, frames) -> str | None:
     for _ in range(64):
         if not C.is_var(atom):
             return None
@@ -257,42 +263,58 @@ def _unalike_add(operand, out_shape, graph: Graph):
     """(add, product) primitives of the first add in `operand`'s fused producers
     that the two loops may round differently, or None."""
     rank = len(out_shape)
-    inner = _innermost(out_shape)
     atom = operand.atom
     if operand.via is not None:
         dims = tuple(operand.via.params["broadcast_dimensions"])
     else:
         dims = tuple(range(rank - len(getattr(atom.aval, "shape", ())), rank))
-    todo, seen = [(atom, dims, False, graph, ())], set()
-    while todo and len(seen) < _CHAIN_LIMIT:
-        atom, dims, permuted, g, frames = todo.pop()
-        eqn, g, frames = _producer(atom, g, frames)
-        if eqn is None or id(eqn) in seen or eqn.primitive.name not in FUSIBLE:
-            continue
-        seen.add(id(eqn))
-        name = eqn.primitive.name
-        if name in _ADDS and len(eqn.invars) == 2:
-            add_varies = _varies(eqn.outvars[0], dims)
-            for k, a in enumerate(eqn.invars):
-                prim = product_of(a, g, frames) if C.is_var(a) else None
-                if prim is None:
-                    continue
-                p_varies = _varies(a, _dims_of_operand(eqn, k, dims))
-                if add_varies is None or p_varies is None:
-                    alike = False
-                elif p_varies == add_varies:
-                    # computed together: contracted in both loops, unless XLA's
-                    # loop contracts by element position, which may differ between them
-                    alike = _numerics.cpu_positional_channels(eqn.outvars[0].aval.dtype,
-                                                              out_shape) is None
-                else:  # hoisted out of the innermost loop in both, where that loop is the same
-                    alike = (not permuted and inner in add_varies and inner not in p_varies)
-                if not alike:
-                    return name, prim
+    return _unalike_from(atom, dims, False, graph, (), tuple(out_shape), graph, 0)
+
+
+def _unalike_from(atom, dims, permuted, g, frames, out_shape, home: Graph, depth):
+    """`_unalike_add` from `atom`, whose dimensions map to the site's frame as
+    `dims` (`permuted`: through a transpose). Memoized in the site's graph
+    `home`: the operands of a network's sites share most of their chains."""
+    if depth >= _CHAIN_LIMIT:
+        return None
+    eqn, g, frames = _producer(atom, g, frames)
+    if eqn is None or eqn.primitive.name not in FUSIBLE:
+        return None
+    key = ("unalike add", id(eqn), tuple(id(call) for _, call in frames), dims, permuted,
+           out_shape)
+    return home.cached(key, lambda: _unalike_at(eqn, dims, permuted, g, frames, out_shape,
+                                                home, depth))
+
+
+def _unalike_at(eqn, dims, permuted, g, frames, out_shape, home, depth):
+    name = eqn.primitive.name
+    if name in _ADDS and len(eqn.invars) == 2:
+        add_varies = _varies(eqn.outvars[0], dims)
         for k, a in enumerate(eqn.invars):
-            if C.is_var(a):
-                todo.append((a, _dims_of_operand(eqn, k, dims), permuted or name == "transpose",
-                             g, frames))
+            prim = product_of(a, g, frames) if C.is_var(a) else None
+            if prim is None:
+                continue
+            p_varies = _varies(a, _dims_of_operand(eqn, k, dims))
+            if add_varies is None or p_varies is None:
+                alike = False
+            elif p_varies == add_varies:
+                # computed together: contracted in both loops, unless XLA's
+                # loop contracts by element position, which may differ between them
+                alike = _numerics.cpu_positional_channels(eqn.outvars[0].aval.dtype,
+                                                          out_shape) is None
+            else:  # hoisted out of the innermost loop in both, where that loop is the same
+                alike = (not permuted and _innermost(out_shape) in add_varies
+                         and _innermost(out_shape) not in p_varies)
+            if not alike:
+                return name, prim
+    for k in reversed(range(len(eqn.invars))):  # depth first, the last operand first
+        a = eqn.invars[k]
+        if C.is_var(a):
+            found = _unalike_from(a, _dims_of_operand(eqn, k, dims),
+                                  permuted or name == "transpose", g, frames, out_shape,
+                                  home, depth + 1)
+            if found is not None:
+                return found
     return None
 
 

@@ -202,6 +202,15 @@ def zero_plus(a: Node) -> ZeroPlus:
     return ZeroPlus(a)
 
 
+def required_primitives(tree: Node) -> frozenset:
+    """The primitives every match of `tree` walks through (`Pattern.needs`)."""
+    if isinstance(tree, Op):
+        return frozenset({tree.name}).union(*(required_primitives(a) for a in tree.args))
+    if isinstance(tree, (Custom, ZeroPlus)):
+        return required_primitives(tree.child)
+    return frozenset()
+
+
 def matches(tree: Node, atom, graph: Graph, state: State = EMPTY) -> Iterator[State]:
     """Every way `tree` fits the value `atom`."""
     return tree.match(atom, graph, state)

@@ -36,7 +36,7 @@ from jaxfuse._primitive import add_relu_p, check_broadcast, epilogue_labels, epi
 from .. import _compat as C
 from . import contraction
 from . import masks as M
-from .dsl import add, matches, mul, operand, sub, zero_plus
+from .dsl import add, matches, mul, operand, required_primitives, sub, zero_plus
 from .graph import Graph
 from .patterns import Match, Pattern
 from .relu import ROOTS, relu
@@ -238,7 +238,8 @@ def build(mt: Match, graph: Graph):
 
 
 PATTERNS = tuple(
-    Pattern(f.name, _candidates(f), check, build, roots=ROOTS, doc=f.doc, barrier=True)
+    Pattern(f.name, _candidates(f), check, build, roots=ROOTS, doc=f.doc, barrier=True,
+            needs=required_primitives(f.tree))
     for f in FAMILY)
 
 __all__ = ["FAMILY", "PATTERNS"]

@@ -78,10 +78,16 @@ class Pattern:
     barrier: bool = False
     """The replacement is an opaque call, a fusion barrier to XLA: the cost
     model (`policy="auto"`) decides whether it pays off."""
+    needs: frozenset | None = None
+    """Primitive names that must all appear in a jaxpr (its small `jit` calls
+    inlined) for a match to be possible there: the walker does not offer the
+    pattern a jaxpr that lacks one. None: no such filter."""
 
     def __post_init__(self):
         if self.roots is not None:
             object.__setattr__(self, "roots", frozenset(self.roots))
+        if self.needs is not None:
+            object.__setattr__(self, "needs", frozenset(self.needs))
 
 
 _REGISTRY: dict[str, Pattern] = {}

@@ -325,6 +325,21 @@ class _Matcher:
                     yield from self._rest(outs, k + 1, s, found + [ge.outvars[i]])
 
 
+def _needs(template: _Template) -> frozenset:
+    """Primitives every program match of `template` holds (`Pattern.needs`):
+    not the steps matching may skip (shape-only ones), meet in another form
+    (`div` as `mul`, a contraction's transposes) or meet as a constant."""
+    contracted = {id(e) for c in template.contractions.values() for e in c.eqns}
+    names = set()
+    for e in template.jaxpr.eqns:
+        name = e.primitive.name
+        if (name in _SHAPE_ONLY or name in ("div", "mul") or id(e) in contracted
+                or all(template.graph.const_value(v) is not None for v in e.outvars)):
+            continue
+        names.add(name)
+    return frozenset(names)
+
+
 def _transposed_later(eqn, graph: Graph) -> bool:
     """A contraction whose result only a transpose reads: matched from there."""
     if eqn.primitive.name != "dot_general":
@@ -482,6 +497,8 @@ class _Rule:
             if id(template.jaxpr.outvars[0]) in template.contractions:
                 heads = {"dot_general", "transpose"}  # a program may end it either way
             self.roots |= heads
+            needs = _needs(template)
+            self.needs = needs if k == 0 else self.needs & needs
             self._heads.append((k, template, heads))
             self.check_replacement(self.examples, template.out_avals)
 
@@ -622,7 +639,7 @@ def rule(pattern, replacement: Callable, *, name: str | None = None,
     name = name or getattr(patterns[0], "__name__", "rule")
     r = _Rule(patterns, replacement, name, where, example_args)
     return Pattern(name, r.match, r.check, r.build, roots=frozenset(r.roots),
-                   doc=f"user rule {name!r}")
+                   doc=f"user rule {name!r}", needs=r.needs)
 
 
 __all__ = ["rule", "RuleError"]

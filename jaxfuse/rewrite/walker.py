@@ -113,32 +113,41 @@ class _Walk:
             changed |= new is not eqn
             eqns.append(new)
         view_eqns, groups, inlined = _inline_small_calls(eqns)
-        roots = [e for e in view_eqns if self._offered(e)]
+        present = {e.primitive.name for e in view_eqns}
+        by_root, any_root = self._patterns_needing(present)
+        roots = [e for e in view_eqns if any_root or e.primitive.name in by_root]
         if roots:
             view = C.replace_eqns(jaxpr, view_eqns)
             graph = Graph(view, consts, inlined=inlined, feeds=feeds)
             carried = {id(jaxpr.invars[i]) for i in carries}
-            replaced = self.match_all(graph, roots, frozen, context, sites, carried)
+            replaced = self.match_all(
+                graph, roots, lambda e: [*by_root.get(e.primitive.name, ()), *any_root],
+                frozen, context, sites, carried)
             if replaced is not None:
                 return C.replace_eqns(jaxpr, _restore_unused_calls(replaced, groups)), sites, skipped
         return (C.replace_eqns(jaxpr, eqns) if changed else jaxpr), sites, skipped
 
     # --------------------------------------------------------------- matching
-    def _offered(self, eqn) -> bool:
-        return bool(self.any_root) or eqn.primitive.name in self.by_root
+    def _patterns_needing(self, present):
+        """(by root primitive, rooted anywhere): the patterns a jaxpr whose
+        equations have the primitive names `present` can match."""
+        def ok(p):
+            return p.needs is None or p.needs <= present
+        by_root = {name: kept for name, ps in self.by_root.items()
+                   if name in present and (kept := [p for p in ps if ok(p)])}
+        return by_root, [p for p in self.any_root if ok(p)]
 
-    def _patterns_for(self, eqn):
-        return [*self.by_root.get(eqn.primitive.name, ()), *self.any_root]
-
-    def match_all(self, graph: Graph, roots, frozen, context, sites, carried=frozenset()):
-        """Matches every root in program order; the new equation list, or None."""
+    def match_all(self, graph: Graph, roots, patterns_for, frozen, context, sites,
+                  carried=frozenset()):
+        """Matches every root in program order; the new equation list, or None.
+        `patterns_for(eqn)`: the patterns to offer `eqn`."""
         plans: dict[int, list] = {}
         absorbed: set[int] = set()
         for root in roots:
             if id(root) in absorbed:
                 continue
             declined = []
-            for pattern in self._patterns_for(root):
+            for pattern in patterns_for(root):
                 fused = False
                 first_declined = None  # what `explain` shows when no candidate passes
                 for m in _candidates(pattern, root, graph):
@@ -377,11 +386,8 @@ def _renamed_body(eqn, body):
             env[id(a)] = C.new_var(a.aval)
         return env[id(a)]
 
-    copy = []
-    for e in body.eqns:
-        copy.append(C.new_eqn([atom(a) for a in e.invars], [atom(v) for v in e.outvars],
-                              e.primitive, e.params, like=e))
-    return copy
+    return [C.replace_vars(e, [atom(a) for a in e.invars], [atom(v) for v in e.outvars])
+            for e in body.eqns]
 
 
 def _restore_unused_calls(eqns, groups):
