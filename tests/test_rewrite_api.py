@@ -162,3 +162,33 @@ def test_lowered_program_has_one_custom_call_per_fused_site(ab):
         pytest.skip("no kernel in use here: the fallback lowering emits no custom call")
     text = jax.jit(fuse(model)).lower(*ab).as_text()
     assert len(re.findall(r"custom_call @jaxfuse_(add_relu|epilogue)\b", text)) == 3
+
+
+def test_the_traced_program_keeps_each_equations_source_line(ab):
+    """The rewritten equations are emitted into jit's trace as they are: every
+    one keeps the user's file:line, fused or not."""
+    a, b = ab
+
+    def f(a, b):
+        y = jnp.sin(a)  # marker: sin
+        return jax.nn.relu(y + b)  # marker: site
+
+    lines = {k: next(i for i, text in enumerate(open(__file__), 1) if f"# marker: {k}" in text)
+             for k in ("sin", "site")}
+    text = jaxfuse.optimize(f, policy="always").lower(a, b).as_text(debug_info=True)
+    for k, line in lines.items():
+        assert re.search(rf"test_rewrite_api\.py\":{line}:", text), (k, line)
+    assert_values(jaxfuse.optimize(f, policy="always")(a, b), jax.jit(f)(a, b))
+
+
+def test_a_function_closing_over_an_outer_tracer(ab):
+    """Its jaxpr's constants are tracers of the enclosing trace: the rewritten
+    program is bound equation by equation there, and differentiates."""
+    a, b = ab
+
+    def outer(a, b):
+        return jnp.sum(jaxfuse.optimize(lambda x: jax.nn.relu(x + b), policy="always")(a))
+
+    want = jax.jit(lambda a, b: jnp.sum(jax.nn.relu(a + b)))
+    assert_values(jax.jit(outer)(a, b), want(a, b))
+    assert_values(jax.grad(outer, (0, 1))(a, b), jax.grad(want, (0, 1))(a, b))
