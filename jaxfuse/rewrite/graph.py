@@ -72,15 +72,26 @@ class Graph:
     def eqns(self):
         return self.jaxpr.eqns
 
+    # The matchers' hottest calls. Variables hash by identity; a literal is
+    # unhashable (and never a key).
     def producer(self, atom) -> C.JaxprEqn | None:
         """The equation defining `atom` here (None for literals, invars, constvars)."""
-        return self._producer.get(atom) if C.is_var(atom) else None
+        try:
+            return self._producer.get(atom)
+        except TypeError:
+            return None
 
     def uses(self, atom) -> int:
-        return self._uses.get(atom, 0) if C.is_var(atom) else 0
+        try:
+            return self._uses.get(atom, 0)
+        except TypeError:
+            return 0
 
     def is_output(self, atom) -> bool:
-        return C.is_var(atom) and atom in self._outputs
+        try:
+            return atom in self._outputs
+        except TypeError:
+            return False
 
     def position(self, eqn) -> int:
         """Index of `eqn` in this jaxpr's equation list."""
