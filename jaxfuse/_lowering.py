@@ -124,7 +124,7 @@ def _rounds_by_position(ctx, platform: str, params) -> bool:
 
 def _kernel_lowering(platform: str, target: str, reference, attrs_of):
     def lower(ctx, *args, **params):
-        facts = params.get("cost")
+        facts = params.get("site_facts")
         if PROBING.value and facts is not None and facts.probe >= 0:
             return reference(C.with_name_scope(ctx, f"{PROBE_SCOPE}{facts.probe}"), *args, **params)
         why = _why_not_kernel(platform)
@@ -150,12 +150,12 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
     return lower
 
 
-def _add_relu_attrs(ctx, platform, *, grad_at_zero, cost=None, inplace=None):
+def _add_relu_attrs(ctx, platform, *, grad_at_zero, site_facts=None, inplace=None):
     return ()  # grad_at_zero only matters to the JVP
 
 
 def _epilogue_attrs(ctx, platform, *, mean, scale, residual, tie, grad_at_zero, prescale=False,
-                    cost=None, inplace=None):
+                    site_facts=None, inplace=None):
     r = _numerics.rounding(platform, ctx.avals_in[0].dtype)
     return (("mean", mean), ("prescale", prescale), ("scale", scale), ("residual", residual),
             ("contract", r.contract and scale), ("narrow_each_op", r.narrow_each_op), ("tie", tie))

@@ -15,8 +15,9 @@ tie rule needs and cannot recover from the output alone.
 
 Shared contract:
   * all operands share one served dtype;
-  * `cost` (optional) is what the pass's cost model recorded about the site;
-    the lowering decides with it, per platform, whether the kernel pays;
+  * `site_facts` (optional) is what the pass's cost model recorded about the
+    site (`rewrite.cost.SiteFacts`); the lowering decides with it, per
+    platform, whether the kernel pays;
   * `inplace` (optional) is the position of a full-size operand whose buffer
     nothing reads afterwards: the kernel may write its result there (elementwise,
     so reading and writing the same element in one step is safe);
@@ -128,13 +129,13 @@ def _aval_out(avals):
 
 
 # ---------------------------------------------------------------- abstract eval
-def _add_relu_abstract_eval(a, b, *, grad_at_zero, cost=None, inplace=None):
+def _add_relu_abstract_eval(a, b, *, grad_at_zero, site_facts=None, inplace=None):
     check_operands(a.shape, a.dtype, b.shape, b.dtype)
     return _aval_out([a, b])
 
 
 def _epilogue_abstract_eval(*avals, mean, scale, residual, tie, grad_at_zero, prescale=False,
-                            cost=None, inplace=None):
+                            site_facts=None, inplace=None):
     labels = epilogue_labels(mean=mean, prescale=prescale, scale=scale, residual=residual)
     if len(avals) != len(labels):
         raise TypeError(f"jaxfuse epilogue: expected operands {labels}, got {len(avals)}")
@@ -177,7 +178,7 @@ def add_relu_reference(a, b):
 
 
 def epilogue_reference(*operands, mean, scale, residual, tie, grad_at_zero=None, prescale=False,
-                       cost=None, inplace=None):
+                       site_facts=None, inplace=None):
     """The unfused definition of `epilogue_p` (XLA fuses and rounds it its own way)."""
     v = preactivation(*operands, mean=mean, prescale=prescale, scale=scale, residual=residual)
     zero = lax.full((), 0, v.dtype)

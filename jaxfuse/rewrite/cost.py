@@ -299,7 +299,7 @@ class CostModel:
         return Context(inputs, outputs)
 
     # ---- the platform-independent decision (walker.match_all)
-    def evaluate(self, m, graph, context):
+    def evaluate(self, m, graph, context, pattern: str = "site"):
         out = m.root.outvars[0]
         n_out = _size(out)
         if not _symbolic(n_out):
@@ -326,7 +326,6 @@ class CostModel:
             return (f"the result is only read by ops XLA fuses into the same loop ({used_by}); "
                     f"a custom call writes it out and reads it back "
                     f"(+{_mib(2 * n_out * itemsize)})"), None
-        pattern = m.info["family"].name if "family" in m.info else "site"
         facts = SiteFacts(pattern, str(n_out) if _symbolic(n_out) else n_out,
                           np.dtype(out.aval.dtype).name, tuple(producers),
                           tuple(sorted(readers)),

@@ -217,13 +217,12 @@ def build(mt: Match, graph: Graph):
     effects = C.no_effects()
     for e in mt.eqns:
         effects = effects | e.effects
-    cost = mt.info.get("cost")
     # Write the result over a full-size operand nothing reads afterwards.
-    inplace = next((k for k in mt.info.get("dead_operands", ())
+    inplace = next((k for k in mt.dead_operands
                     if mt.info["operands"][k].via is None
                     and tuple(mt.info["operands"][k].shape) == tuple(out.aval.shape)), None)
     # Optional params are left out when unset, so a plain site's params stay minimal.
-    optional = {k: v for k, v in (("cost", cost), ("inplace", inplace)) if v is not None}
+    optional = {k: v for k, v in (("site_facts", mt.cost), ("inplace", inplace)) if v is not None}
     if family.name == "add_relu" and not needs_tie:
         params = {"grad_at_zero": sp.grad_at_zero, **optional}
         eqns.append(C.new_eqn(atoms, [out], add_relu_p, params, like=like, effects=effects))

@@ -54,6 +54,14 @@ class Match:
     elementwise ops the replacement recomputes from their operands, as XLA
     would in each reader's loop): they may have uses outside the match."""
 
+    # Set by the walker once the site is accepted; `build` may read them.
+    cost: Any = None
+    """The cost model's facts about the site (`cost.SiteFacts`; None: no cost
+    model, or not a barrier pattern)."""
+    dead_operands: tuple = ()
+    """Positions of the operands whose buffers nothing reads after the
+    replacement (it may write its result into one)."""
+
     def __post_init__(self):
         if not self.outputs:
             object.__setattr__(self, "outputs", tuple(self.root.outvars))

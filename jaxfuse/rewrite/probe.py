@@ -74,10 +74,10 @@ def mark(closed: C.ClosedJaxpr, numbers: set[int]) -> C.ClosedJaxpr:
         eqns, changed = [], False
         for eqn in jaxpr.eqns:
             new = eqn
-            facts = eqn.params.get("cost")
+            facts = eqn.params.get("site_facts")
             if getattr(facts, "probe", -1) in numbers:
                 new = C.replace_params(eqn, {**eqn.params,
-                                             "cost": dataclasses.replace(facts, xla_fuses=True)})
+                                             "site_facts": dataclasses.replace(facts, xla_fuses=True)})
             elif subjaxprs.is_known(eqn):
                 new = subjaxprs.map_bodies(eqn, body)
             changed |= new is not eqn

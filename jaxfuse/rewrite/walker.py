@@ -160,14 +160,13 @@ class _Walk:
                                   f"which the pass does not descend into" if frozen else None))
                     cost_reason = None
                     if reason is None and pattern.barrier and self.cost is not None:
-                        cost_reason, facts = self.cost.evaluate(m, graph, context)
+                        cost_reason, facts = self.cost.evaluate(m, graph, context, pattern.name)
                         if facts is not None:
-                            m = dataclasses.replace(m, info={**m.info, "cost": facts})
+                            m = dataclasses.replace(m, cost=facts)
                     if reason is None and cost_reason is None:
                         where, reason = _placement(m, graph)
                     if reason is None and cost_reason is None:
-                        m = dataclasses.replace(m, info={**m.info, "dead_operands": _dead_operands(
-                            m, graph, carried)})
+                        m = dataclasses.replace(m, dead_operands=_dead_operands(m, graph, carried))
                         plans[where] = plans.get(where, []) + _build(pattern, m, graph)
                         keep = {id(e) for e in m.shared}
                         absorbed.update(id(e) for e in m.eqns if id(e) not in keep)
@@ -209,7 +208,7 @@ class _Walk:
             out_shape=tuple(m.root.outvars[0].aval.shape) if m.root.outvars else (),
             declined_for_cost=bool(for_cost),
             alternatives=tuple((p.name, r) for p, _, r, _ in alternatives),
-            cost=m.info.get("cost"),
+            cost=m.cost,
             # The root first, then what it absorbed.
             _sources=(m.root.source_info, *(e.source_info for e in m.eqns)),
             _fallback=self.origin,
