@@ -27,14 +27,6 @@ DISABLE_KERNELS = C.jit_key_flag(
     "Lower jaxfuse's fused ops to XLA's own ops instead of jaxfuse's kernels "
     "(default from JAXFUSE_DISABLE_KERNELS).")
 
-# Set only while probe.py compiles a rewritten program: sites numbered for the
-# probe lower to XLA's own ops, named so their ops can be found in XLA's fusions.
-PROBING = C.jit_key_flag(
-    "jaxfuse_probing", False,
-    "Internal: lower probed sites to XLA's own ops under a name the probe finds.")
-
-PROBE_SCOPE = "jaxfuse_probe"
-
 _warned: set[str] = set()
 
 # Collapsed broadcast ranks the CUDA kernels take (csrc/*_cuda.cu); beyond
@@ -125,8 +117,9 @@ def _rounds_by_position(ctx, platform: str, params) -> bool:
 def _kernel_lowering(platform: str, target: str, reference, attrs_of):
     def lower(ctx, *args, **params):
         facts = params.get("site_facts")
-        if PROBING.value and facts is not None and facts.probe >= 0:
-            return reference(C.with_name_scope(ctx, f"{PROBE_SCOPE}{facts.probe}"), *args, **params)
+        if _cost.PROBING.value and facts is not None and facts.probe >= 0:
+            return reference(C.with_name_scope(ctx, f"{_cost.PROBE_SCOPE}{facts.probe}"), *args,
+                             **params)
         why = _why_not_kernel(platform)
         if why is not None:
             if why != "kernels disabled":

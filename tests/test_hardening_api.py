@@ -17,6 +17,7 @@ import jaxfuse
 from jaxfuse import _compat as C
 from jaxfuse.rewrite import api, cost
 from jaxfuse.rewrite.patterns import resolve
+from jaxfuse.rewrite.target import device_platform
 from jaxfuse.rewrite.walker import rewrite
 
 from conftest import _has_gpu
@@ -88,7 +89,7 @@ def test_a_symbolic_operand_is_small_only_where_provably_so():
 
 
 def test_the_cost_model_builds_the_auto_candidate_of_a_symbolic_program():
-    # What policy="measure" builds first (jaxfuse.tuning.choose), and what
+    # What policy="measure" builds first (api.measured_choice), and what
     # lowering decides again for a site rewritten without a known platform.
     closed = jax.make_jaxpr(_add_relu)(*_symbolic("n, 8", "8"))
     new, report = rewrite(closed, resolve(None), cost=cost.CostModel("cpu"))
@@ -204,7 +205,7 @@ def test_repr_and_bad_argument_messages_name_the_users_function():
 # ------------------------------------------------------------ 3. bad input
 def test_explain_accepts_jaxs_platform_names_and_rejects_others():
     x, b = jnp.ones((4, 8)), jnp.ones(8)
-    gpu = api._lowering_name(jax.devices("gpu")[0]) if _has_gpu() else "cuda"
+    gpu = device_platform(jax.devices("gpu")[0]) if _has_gpu() else "cuda"
     report = jaxfuse.explain(_add_relu, x, b, platform="gpu")
     assert report.platform == gpu
     assert [s.status for s in report] == [s.status for s in

@@ -233,13 +233,13 @@ def _shard_mapped(f):
         "custom_jvp", "custom_vjp"])
 def test_a_while_loop_at_any_depth_is_not_timed(wrap):
     closed = jax.make_jaxpr(lambda x: jax.nn.relu(wrap(_loop)(x) + 1.0))(jnp.ones((8, 8)))
-    assert "while loop" in tuning._untimeable(closed)
+    assert "while loop" in tuning.untimeable(closed)
 
 
 def test_loops_without_while_are_still_timed():
     scan = lambda x: lax.fori_loop(0, 3, lambda i, x: x * 2.0, x)  # noqa: E731  (a scan)
     for f in (scan, lambda x: x * 2.0):
-        assert tuning._untimeable(jax.make_jaxpr(lambda x: jax.nn.relu(f(x) + 1.0))(jnp.ones(4))) is None
+        assert tuning.untimeable(jax.make_jaxpr(lambda x: jax.nn.relu(f(x) + 1.0))(jnp.ones(4))) is None
 
 
 def test_a_nested_while_program_gets_the_cost_models_choice_and_the_reason(tmp_path, args):
@@ -260,7 +260,7 @@ def test_symbolic_dimensions_are_not_given_stand_in_data():
     shape = jax.export.symbolic_shape("n, 4")
     closed = jax.make_jaxpr(lambda x, b: jax.nn.relu(x + b))(
         jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32))
-    assert "symbolic dimensions" in tuning._untimeable(closed)
+    assert "symbolic dimensions" in tuning.untimeable(closed)
 
 
 def test_effects_are_recorded_as_the_reason(tmp_path, args):
@@ -384,11 +384,11 @@ def test_a_mesh_larger_than_this_process_gets_the_cost_models_choice():
     aval = jax.ShapeDtypeStruct((8,), jnp.float32)
     big = jax.sharding.AbstractMesh((len(jax.devices()) + 1,), ("data",))
 
-    class Closed:  # the one thing _untimeable reads here: the argument types
+    class Closed:  # the one thing untimeable reads here: the argument types
         jaxpr = jax.make_jaxpr(lambda x: x)(aval).jaxpr
         consts = []
         in_avals = [jax.ShapeDtypeStruct((8,), jnp.float32,
                                          sharding=jax.sharding.NamedSharding(big, P("data")))]
 
-    why = tuning._untimeable(Closed)
+    why = tuning.untimeable(Closed)
     assert why is not None and f"a mesh of {len(jax.devices()) + 1} devices" in why

@@ -24,9 +24,10 @@ import jax
 from .. import _compat as C
 from . import cost as _cost
 from . import probe as _probe
+from . import tuning
 from .patterns import resolve
 from .report import Report
-from .target import targeting
+from .target import device_platform, targeting, trace_platform
 from .walker import rewrite
 
 _INFO = "_jaxfuse_optimized"
@@ -166,8 +167,7 @@ class _Traced:
     def rewritten(self, closed):
         platform = trace_platform()
         if self.policy == "measure":
-            from .. import tuning
-            return tuning.choose(closed, self.patterns, self.autotuner, platform=platform)
+            return measured_choice(closed, self.patterns, self.autotuner, platform)
         return rewrite_for(closed, self.patterns, self.policy, platform,
                            tuner=self.autotuner, time_it=True)[0]
 
@@ -195,6 +195,21 @@ def rewrite_for(closed, patterns, policy: str, platform: str | None, origin=None
                                           cost=_cost.CostModel(platform, give_back)),
                 patterns=patterns, tuner=tuner, time_it=time_it)
     return new, report
+
+
+def measured_choice(closed, patterns, autotuner=None, platform: str | None = None):
+    """`policy="measure"`: the fastest of jax's program `closed`, the cost
+    model's rewrite for `platform` and every safe site fused, timed by
+    `autotuner` (`tuning.DEFAULT`); the cost model's where they cannot be timed."""
+    tuner = autotuner or tuning.DEFAULT
+    auto = rewrite_for(closed, patterns, "auto", platform)[0]
+    why = tuning.untimeable(closed)
+    if why is not None:
+        tuner.skipped.append(why)
+        return auto
+    candidates = {"xla": closed, "auto": auto, "always": rewrite(closed, patterns)[0]}
+    return candidates[tuning.choose_among(closed, candidates, patterns, tuner, default="auto",
+                                          baseline="xla")[0]]
 
 
 def _weak(fun):
@@ -299,7 +314,7 @@ def _check_platform(platform) -> str:
         devices = jax.devices("gpu")
     except RuntimeError:  # no GPU backend here
         return "cuda"
-    return _lowering_name(devices[0]) if devices else "cuda"
+    return device_platform(devices[0]) if devices else "cuda"
 
 
 def _platform_of(args, kwargs) -> str:
@@ -312,21 +327,6 @@ def _platform_of(args, kwargs) -> str:
             except Exception:  # noqa: BLE001 - a deleted array: keep looking
                 continue
     return trace_platform()
-
-
-def trace_platform() -> str:
-    """The platform `optimize` rewrites for while jit traces: the default device
-    (`jax.default_device` / `jax_default_device`, else the default backend),
-    where jit puts uncommitted arguments. Tracers carry no device, so arguments
-    committed elsewhere are caught at lowering instead (cost.py)."""
-    return _lowering_name(C.default_device())
-
-
-def _lowering_name(device) -> str:
-    if device.platform != "gpu":
-        return device.platform
-    version = getattr(device.client, "platform_version", "").lower()
-    return "rocm" if "rocm" in version else "cuda"
 
 
 # ----------------------------------------------------------------- arguments

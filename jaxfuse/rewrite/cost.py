@@ -48,6 +48,14 @@ from .. import _compat as C
 from .. import _isa
 from .graph import Graph
 
+# Set only while probe.py compiles a rewritten program: sites numbered for the
+# probe lower to XLA's own ops, named so their ops can be found in XLA's fusions.
+PROBING = C.jit_key_flag(
+    "jaxfuse_probing", False,
+    "Internal: lower probed sites to XLA's own ops under a name the probe finds.")
+
+PROBE_SCOPE = "jaxfuse_probe"
+
 POLICIES = ("auto", "always", "measure")
 
 # Equations XLA fuses into the loop that reads their result (so their result

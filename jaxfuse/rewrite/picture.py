@@ -37,7 +37,7 @@ import textwrap
 
 from .. import _compat as C
 from . import subjaxprs
-from .report import join_path
+from .subjaxprs import join_path
 
 KINDS = ("before", "after", "both")
 

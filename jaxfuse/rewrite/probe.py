@@ -26,8 +26,8 @@ import re
 import jax
 
 from .. import _compat as C
-from . import subjaxprs
-from .cost import XLA_FUSES_REASON
+from . import subjaxprs, tuning
+from .cost import PROBE_SCOPE, PROBING, XLA_FUSES_REASON
 
 _FUSION = re.compile(r"=\s*\S+\s+fusion\(.*kind=kCustom.*calls=(%[\w.\-]+)")
 _COMPUTATION = re.compile(r"^(%[\w.\-]+)\s+\(", re.M)
@@ -36,8 +36,6 @@ _COMPUTATION = re.compile(r"^(%[\w.\-]+)\s+\(", re.M)
 def library_fused(closed: C.ClosedJaxpr) -> set[int]:
     """Numbers of the probed sites whose ops XLA puts into a library fusion
     when it compiles `closed` for the default device."""
-    from .._lowering import PROBING
-
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
              for a in closed.in_avals]
     with PROBING(True):
@@ -49,8 +47,6 @@ def tagged_in_library_fusions(text: str) -> set[int]:
     """Probe numbers named inside the computations that `kind=kCustom` fusions
     (XLA:CPU's library fusions: YNNPACK, XNNPACK, oneDNN) call, in an
     optimized HLO module's text."""
-    from .._lowering import PROBE_SCOPE
-
     called = set()
     for line in text.splitlines():
         m = _FUSION.search(line)
@@ -112,13 +108,11 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
             and len(again_report.fused) == len(report.fused) - len(numbers)):
         again = mark(new, numbers)
         again_report = _marked_report(report, numbers, again)
-    from .. import tuning
-
     n = len(numbers)
     sites = f"{n} site{'s' * (n != 1)} XLA:CPU fuses into a library fusion"
     candidates = {"given_back": again, "kept": new}
     tuner = tuner or tuning.SETTLING
-    why_not = tuning._untimeable(closed)
+    why_not = tuning.untimeable(closed)
     if why_not is None and time_it:
         choice, measured = tuning.choose_among(closed, candidates, patterns, tuner,
                                                default="given_back", baseline="given_back")

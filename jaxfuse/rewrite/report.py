@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from .. import _compat as C
+from .subjaxprs import join_path
 
 
 def human_bytes(n: float | None) -> str:
@@ -21,11 +22,6 @@ def human_bytes(n: float | None) -> str:
             return f"{n:.3g} {unit}" if n < 100 else f"{n:.0f} {unit}"
         n /= 1024
     return f"{n:.0f} TiB"  # pragma: no cover
-
-
-def join_path(path: str, segment: str) -> str:
-    """A nesting path (`scan/body`) with one more segment."""
-    return "/".join(p for p in (path, segment) if p)
 
 
 class _Located:

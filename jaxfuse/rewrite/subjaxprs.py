@@ -146,3 +146,8 @@ def all_eqns(body):
         for value in eqn.params.values():
             for _, v, _ in _items(value, ""):
                 yield from all_eqns(v)
+
+
+def join_path(path: str, segment: str) -> str:
+    """A nesting path (`scan/body`) with one more segment."""
+    return "/".join(p for p in (path, segment) if p)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+from .. import _compat as C
+
 _PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "jaxfuse_target_platform", default=None)
 
@@ -20,9 +22,23 @@ def target_platform() -> str:
     found = _PLATFORM.get()
     if found is not None:
         return found
-    from .api import trace_platform
-
     return trace_platform()
+
+
+def trace_platform() -> str:
+    """The platform `optimize` rewrites for while jit traces: the default device
+    (`jax.default_device` / `jax_default_device`, else the default backend),
+    where jit puts uncommitted arguments. Tracers carry no device, so arguments
+    committed elsewhere are caught at lowering instead (cost.py)."""
+    return device_platform(C.default_device())
+
+
+def device_platform(device) -> str:
+    """The lowering platform of `device`: "cuda" or "rocm" for a GPU."""
+    if device.platform != "gpu":
+        return device.platform
+    version = getattr(device.client, "platform_version", "").lower()
+    return "rocm" if "rocm" in version else "cuda"
 
 
 @contextlib.contextmanager

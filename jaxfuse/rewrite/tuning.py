@@ -57,8 +57,10 @@ import numpy as np
 
 import jax
 
-from . import _compat as C
-from ._sharding import PACING_TEMP_BYTES
+from .. import _compat as C
+from .._sharding import PACING_TEMP_BYTES
+from .._version import __version__
+from . import subjaxprs
 
 VARIANTS = ("xla", "auto", "always")
 
@@ -214,8 +216,6 @@ def _key(closed, variants: dict, patterns) -> dict:
     model's platform shape), the argument and constant shapes."""
     import jaxlib
 
-    from . import __version__
-
     device = C.default_device()
     avals = [f"{a.dtype}{list(a.shape)}" for a in closed.in_avals]
     consts = [f"{np.asarray(c).dtype}{list(np.shape(c))}" for c in closed.consts]
@@ -226,15 +226,13 @@ def _key(closed, variants: dict, patterns) -> dict:
             "candidates": {name: _fingerprint(v) for name, v in variants.items()}}
 
 
-def _untimeable(closed) -> str | None:
-    """Why `choose` must not run `closed` on stand-in data, or None if it may:
+def untimeable(closed) -> str | None:
+    """Why `policy="measure"` must not run `closed` on stand-in data, or None if it may:
     effects (running them again would repeat them), constants that are an
     enclosing trace's values, inputs or constants of dtypes numpy cannot make
     (PRNG keys), symbolic dimensions (no concrete shape to make data of), a
     `while` loop in any body (its trip count depends on the data; on data the
     user did not give it may never end)."""
-    from .rewrite import subjaxprs
-
     if closed.jaxpr.effects:
         return "it has effects (running it again would repeat them)"
     if any(isinstance(c, C.Tracer) for c in closed.consts):
@@ -364,27 +362,10 @@ def _within(limit_s: float, what: str, fn: Callable[[], object]):
     return box["value"]
 
 
-def choose(closed, patterns, autotuner: Autotuner | None = None, platform: str | None = None):
-    """The fastest of the candidate programs for `closed` (a ClosedJaxpr);
-    `platform`: the one the "auto" candidate's cost model decides for."""
-    from .rewrite.api import rewrite_for
-    from .rewrite.walker import rewrite
-
-    tuner = autotuner or DEFAULT
-    auto = rewrite_for(closed, patterns, "auto", platform)[0]
-    why = _untimeable(closed)
-    if why is not None:
-        tuner.skipped.append(why)
-        return auto
-    candidates = {"xla": closed, "auto": auto, "always": rewrite(closed, patterns)[0]}
-    return candidates[choose_among(closed, candidates, patterns, tuner, default="auto",
-                                   baseline="xla")[0]]
-
-
 def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: str,
                  baseline: str):
     """(name, measured) of the fastest of `candidates` (name -> ClosedJaxpr
-    computing what `closed` computes), timed as `choose` times them and
+    computing what `closed` computes), timed as `policy="measure"` times them and
     remembered under the same kind of key; `default` when they cannot be
     timed (`measured` False: `tuner.skipped` says why). No candidate holding
     more temp bytes than `baseline` is timed (the first of them, when they
