@@ -3,8 +3,8 @@
 //   out = max(a + b, 0)
 //
 // with exactly the semantics XLA gives `jnp.maximum(a + b, 0)` (and
-// `jax.nn.relu(a + b)`), measured bit for bit against XLA:CPU (jaxlib 0.10.2,
-// x86-64):
+// `jax.nn.relu(a + b)`), as the tests pin bit for bit against XLA:CPU
+// (tests/test_primitive.py, x86-64):
 //
 //   * max(s, 0) is +0 for every s <= 0, including s == -0.0 (so -0 + -0 -> +0).
 //   * A NaN sum propagates unchanged (no canonicalisation by the max): the NaN
@@ -13,7 +13,7 @@
 //     is `a` quietened, else if `b` is NaN it is `b` quietened, else
 //     (inf + -inf) the default NaN 0xffc00000 (sign set). The host code below
 //     pins that operand order explicitly (a C++ compiler may commute `a + b`).
-//     CAVEAT, measured: when BOTH operands are NaN, XLA:CPU's own choice of
+//     CAVEAT: when BOTH operands are NaN, XLA:CPU's own choice of
 //     payload depends on its codegen: a's NaN for same-shape operands, but
 //     often the broadcast operand's NaN (e.g. (100,64)+(1,64) gives b's,
 //     (300,2,700)+(1,2,700) gives a's, bf16 (64,100)+(64,1) mixes both within
@@ -38,7 +38,7 @@
 // NaN 0x7fffffff and XLA:GPU's max passes it through, so device code just adds
 // and the narrow types narrow a NaN to the canonical 0x7fff. Denormals are not
 // flushed on the device (XLA:GPU does not use ftz by default; nvcc neither).
-// (The device NaN bits are from the PTX ISA docs, not measured: no GPU here.)
+// (The device NaN bits are as the PTX ISA documents them.)
 //
 // No compiler _Float16 / __half is used: conversions are bit-level integer
 // code, identical on host and device.

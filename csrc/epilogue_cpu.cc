@@ -84,8 +84,8 @@ std::atomic<bool> g_last_streamed{false};
 std::atomic<bool> g_last_fresh{false};
 
 // The last-level cache this core shares, from sysfs (what lscpu shows); glibc's
-// sysconf can report a whole package's L3 instead (256 MiB on an EPYC VM whose
-// cores see 32 MiB).
+// sysconf can report a whole package's L3 instead, many times the slice a
+// core sees.
 int64_t LastLevelCacheBytes() {
   static const int64_t bytes = [] {
     int64_t best = -1;
@@ -512,9 +512,8 @@ JF_AVX2 void StreamCopyAvx2(void* dst, const void* src, size_t bytes) {
 // Elements per block-kernel call: long enough that the call costs nothing
 // against the work, short enough that splat and streaming blocks stay in L1/L2.
 constexpr int64_t kBlock = 2048;
-// Streamed calls stage fewer: measured in a C loop on the 2-core VM, float32
-// at 2^22, non-temporal stores from a 64-256-element block took 0.81-0.88x
-// the time of plain stores, from a 2048-element block 0.94-1.07x.
+// Streamed calls stage fewer: non-temporal stores pay off from short blocks and
+// not from long ones (docs/internals.md, "Streaming stores").
 constexpr int64_t kStreamBlock = 256;
 constexpr int64_t kTileMin = 256;  // rows shorter than this are tiled
 constexpr int64_t kTileCap = 2 * kTileMin + kBlock;
@@ -683,8 +682,9 @@ Scratch* ThreadScratch() {
 //
 // XLA allocates every output with the C allocator. When the block it gets is
 // fresh from the operating system, writing it costs one page fault per 4 KiB,
-// ~1-2 us each on the VMs measured (16K faults for 64 MiB, more than the
-// arithmetic); asking for transparent huge pages on the buffer's 2 MiB-aligned
+// which at large sizes costs more than the arithmetic
+// (bench/results/cpu-loop-faults-2026-12-02.txt); asking for transparent huge
+// pages on the buffer's 2 MiB-aligned
 // interior makes that one fault per 2 MiB. Purely advisory: contents are
 // untouched; it does nothing where THP is "never" or already "always". The
 // advice stays on the address range after XLA frees the buffer, so later
@@ -735,22 +735,17 @@ bool FreshPages(const void* p, size_t bytes) {
 // ---------------------------------------------------------------------------
 constexpr int64_t kChunk = 64 * 1024;  // elements per claim (line-aligned)
 // Elements a worker is worth. A 4- or 8-byte loop is memory-bound, and a
-// helper on XLA's pool costs a hand-off; a 2-byte one converts every element.
-// Measured on the 2-core VM, paced calls of relu(a + b) and of the bias form,
-// six rotated input sets, one thread against the whole pool: float32/float64
-// at 2^17 elements 0.64-0.80x (waited for, back to back, in a loop), 2^18
-// 0.76-1.25x, from 2^19 1.13-1.92x; float16 at 2^17 1.07-1.31x.
+// helper on XLA's pool costs a hand-off, so it needs two chunks; a 2-byte one
+// converts every element and is worth a helper from one (docs/internals.md,
+// "CPU kernel details", where the timings are).
 constexpr int64_t kMinChunkWide = 2 * kChunk;
 constexpr int64_t kMinChunkNarrow = kChunk;
 
 // Each worker owns a contiguous region of chunks and claims them in order, so
 // its loads and stores run as one long stream the hardware prefetchers follow;
 // a worker whose region is empty takes the next unclaimed chunks of the
-// others'. Measured on the 2-core VM, float32, 2^21-2^23 elements: in a C
-// loop, chunks dealt alternately to two threads took 1.05-1.15x the time of
-// one contiguous half each, regions 0.97-1.06x; through jax, the kernel's own
-// time with regions against alternate chunks, paired in one process, had
-// medians of 0.84-0.86x (bias form) and 0.91-0.98x (a + b).
+// others'. Regions were faster than chunks dealt alternately
+// (docs/internals.md, "CPU kernel details").
 struct alignas(64) Region {
   std::atomic<int64_t> next{0};
   int64_t end = 0;
@@ -896,10 +891,8 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
     return ffi::Error::Success();
   }
   // Small chunks, whatever the size: once the caller has run out of chunks
-  // it waits for the ones helpers hold, at most one each. Measured on the
-  // 2-core VM, float32 at 2^22: with 8 chunks of 2^19 that wait was 0.8-1.6 ms
-  // of a 2-5 ms call (a helper descheduled, or faulting in a huge page, mid-
-  // chunk); with chunks of 2^16 it was 0.03-0.2 ms.
+  // it waits for the ones helpers hold, at most one each, so a chunk bounds
+  // that wait (docs/internals.md, "CPU kernel details").
   job->total = total;
   job->nchunks = nchunks;
   job->Plan(nregions);

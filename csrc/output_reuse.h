@@ -59,11 +59,9 @@ class RecentOutputs {
 
 // Whether a call should stream its output: when its lines were last written
 // at least 1.5 last-level caches ago, or, with no record of them, when the
-// call alone touches that much. Why 1.5: on the 2-core EPYC VM (32 MiB L3
-// reported), in a loop of one call on fixed inputs, streaming never won at
-// 16-40 MiB touched per call (0.96-1.47x the time of plain stores over six
-// runs: the output was still cached) and won at 48 MiB in four of five runs
-// (0.87-0.95x; once 1.06x).
+// call alone touches that much. Why 1.5: below it the output was still cached
+// and streaming lost, above it streaming won (docs/internals.md, "Streaming
+// stores").
 inline bool ShouldStream(int64_t reuse_distance, size_t touched, int64_t cache_bytes) {
   const int64_t d = reuse_distance >= 0 ? reuse_distance : static_cast<int64_t>(touched);
   return 2 * d >= 3 * cache_bytes;
