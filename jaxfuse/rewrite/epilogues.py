@@ -45,7 +45,9 @@ x, m, q, s, t, r = (operand(n) for n in ("x", "mean", "prescale", "scale", "shif
 
 
 @dataclasses.dataclass(frozen=True)
-class Family:
+class Spec:
+    """One epilogue pattern: its tree and the fused op's operand flags."""
+
     name: str
     tree: object
     mean: bool
@@ -72,47 +74,47 @@ class Family:
         return tuple(k for k in self.labels if k in summed)
 
 
-FAMILY = (
-    Family("norm_residual_relu",
+SPECS = (
+    Spec("norm_residual_relu",
            relu(add(zero_plus(add(mul(mul(sub(x, m, tag="sub"), q), s), t)), r)),
            True, True, True, "relu((((x - m) * q) * s + t) + r) -> one jaxfuse_epilogue call",
            prescale=True),
-    Family("norm_relu", relu(add(mul(mul(sub(x, m, tag="sub"), q), s), t)), True, True, False,
+    Spec("norm_relu", relu(add(mul(mul(sub(x, m, tag="sub"), q), s), t)), True, True, False,
            "relu(((x - m) * q) * s + t) -> one jaxfuse_epilogue call", prescale=True),
-    Family("bn_residual_relu", relu(add(zero_plus(add(mul(sub(x, m, tag="sub"), s), t)), r)),
+    Spec("bn_residual_relu", relu(add(zero_plus(add(mul(sub(x, m, tag="sub"), s), t)), r)),
            True, True, True,
            "relu(((x - m) * s + t) + r) -> one jaxfuse_epilogue call"),
-    Family("bn_relu", relu(add(mul(sub(x, m, tag="sub"), s), t)), True, True, False,
+    Spec("bn_relu", relu(add(mul(sub(x, m, tag="sub"), s), t)), True, True, False,
            "relu((x - m) * s + t) -> one jaxfuse_epilogue call"),
-    Family("scale_shift_residual_relu", relu(add(zero_plus(add(mul(x, s), t)), r)), False, True, True,
+    Spec("scale_shift_residual_relu", relu(add(zero_plus(add(mul(x, s), t)), r)), False, True, True,
            "relu((x * s + t) + r) -> one jaxfuse_epilogue call"),
-    Family("scale_shift_relu", relu(add(mul(x, s), t)), False, True, False,
+    Spec("scale_shift_relu", relu(add(mul(x, s), t)), False, True, False,
            "relu(x * s + t) -> one jaxfuse_epilogue call"),
-    Family("bias_residual_relu", relu(add(add(x, t), r)), False, False, True,
+    Spec("bias_residual_relu", relu(add(add(x, t), r)), False, False, True,
            "relu((x + t) + r) -> one jaxfuse_epilogue call"),
-    Family("add_relu", relu(add(x, t)), False, False, False,
+    Spec("add_relu", relu(add(x, t)), False, False, False,
            "add followed by ReLU -> jaxfuse_add_relu (one custom call)"),
 )
 
 
-def _candidates(family: Family):
+def _candidates(spec: Spec):
     def match(eqn, graph: Graph):
         out = eqn.outvars[0] if len(eqn.outvars) == 1 else None
         if out is None:
             return
-        for st in matches(family.tree, out, graph):
-            yield _to_match(family, st, eqn, graph)
+        for st in matches(spec.tree, out, graph):
+            yield _to_match(spec, st, eqn, graph)
 
     return match
 
 
-def _to_match(family, st, root, graph) -> Match:
+def _to_match(spec, st, root, graph) -> Match:
     sp = st.notes["relu"]
     v, out = sp.operand, root.outvars[0]
     inside = {id(e) for e in st.eqns}
     found = M.find(v, out, graph, inside) if graph.uses(v) > 1 else []
     found = found or []
-    operands = tuple(st.bindings[n] for n in family.labels)
+    operands = tuple(st.bindings[n] for n in spec.labels)
     # `x - m` read elsewhere too (a training step's backward pass reads it for
     # the scale's gradient): the kernel computes it from x and m, and the
     # program keeps it for those readers, as XLA would recompute it in each of
@@ -124,7 +126,7 @@ def _to_match(family, st, root, graph) -> Match:
         root=root, eqns=(*st.eqns, *(mk.eqn for mk in found)),
         operands=tuple(o.atom for o in operands), spelling=sp.text,
         outputs=(out, *(mk.eqn.outvars[0] for mk in found)), shared=shared,
-        info={"family": family, "relu": sp, "operands": operands, "masks": tuple(found)})
+        info={"spec": spec, "relu": sp, "operands": operands, "masks": tuple(found)})
 
 
 def _read_outside(eqn, graph, inside) -> bool:
@@ -174,14 +176,14 @@ def reassociated_constants(mt: Match, graph: Graph) -> str | None:
 
 
 def check(mt: Match, graph: Graph) -> str | None:
-    family, sp, operands = mt.info["family"], mt.info["relu"], mt.info["operands"]
+    spec, sp, operands = mt.info["spec"], mt.info["relu"], mt.info["operands"]
     if sp.decline:
         return sp.decline
     folded = reassociated_constants(mt, graph)
     if folded:
         return folded
     try:  # the fused op's own operand contract, its message as the reason
-        check_broadcast("", [(n, o.shape, o.aval.dtype) for n, o in zip(family.labels, operands)])
+        check_broadcast("", [(n, o.shape, o.aval.dtype) for n, o in zip(spec.labels, operands)])
     except (TypeError, ValueError) as e:
         return str(e).removeprefix(": ")
     y, out = sp.operand.aval, mt.root.outvars[0].aval
@@ -189,11 +191,11 @@ def check(mt: Match, graph: Graph) -> str | None:
         return f"the ReLU changes its operand's type from {y.str_short()} to {out.str_short()}"
     if getattr(out, "weak_type", False) != getattr(y, "weak_type", False):
         return "the ReLU changes its operand's weak type"
-    return contraction.site_reason(family.labels, operands, family.addends, family.factors, y, graph)
+    return contraction.site_reason(spec.labels, operands, spec.addends, spec.factors, y, graph)
 
 
 def build(mt: Match, graph: Graph):
-    family, sp = mt.info["family"], mt.info["relu"]
+    spec, sp = mt.info["spec"], mt.info["relu"]
     found = mt.info["masks"]
     like = mt.root
     eqns, atoms = [], []
@@ -223,12 +225,12 @@ def build(mt: Match, graph: Graph):
                     and tuple(mt.info["operands"][k].shape) == tuple(out.aval.shape)), None)
     # Optional params are left out when unset, so a plain site's params stay minimal.
     optional = {k: v for k, v in (("site_facts", mt.cost), ("inplace", inplace)) if v is not None}
-    if family.name == "add_relu" and not needs_tie:
+    if spec.name == "add_relu" and not needs_tie:
         params = {"grad_at_zero": sp.grad_at_zero, **optional}
         eqns.append(C.new_eqn(atoms, [out], add_relu_p, params, like=like, effects=effects))
     else:
-        params = {"mean": family.mean, "prescale": family.prescale, "scale": family.scale,
-                  "residual": family.residual, "tie": needs_tie, "grad_at_zero": sp.grad_at_zero,
+        params = {"mean": spec.mean, "prescale": spec.prescale, "scale": spec.scale,
+                  "residual": spec.residual, "tie": needs_tie, "grad_at_zero": sp.grad_at_zero,
                   **optional}
         eqns.append(C.new_eqn(atoms, [out, tie_var] if needs_tie else [out], epilogue_p,
                               params, like=like, effects=effects))
@@ -239,6 +241,6 @@ def build(mt: Match, graph: Graph):
 PATTERNS = tuple(
     Pattern(f.name, _candidates(f), check, build, roots=ROOTS, doc=f.doc, barrier=True,
             needs=required_primitives(f.tree))
-    for f in FAMILY)
+    for f in SPECS)
 
-__all__ = ["FAMILY", "PATTERNS"]
+__all__ = ["SPECS", "PATTERNS"]

@@ -52,30 +52,32 @@ class _Walk:
             else:
                 for name in p.roots:
                     self.by_root.setdefault(name, []).append(p)
-        # (id(body), frozen, context key, carries, feeds) -> (body, result, sites, skipped);
+        # (id(body), opaque, context key, carries, feeds) -> (body, result, sites, skipped);
         # holding `body` keeps its id unique.
         self.memo: dict = {}
 
     # -------------------------------------------------------------- structure
-    def body(self, body, frozen, context, carries=(), feeds=None):
+    def body(self, body, opaque, context, carries=(), feeds=None):
         """Rewrites a Jaxpr or ClosedJaxpr; returns (result, sites, skipped)
-        with paths and sources relative to the body. `carries`: positions of
+        with paths and sources relative to the body. `opaque`: the name of
+        the unknown higher-order primitive the body sits in (its sites are
+        reported, never rewritten), None if none. `carries`: positions of
         the body's inputs that are loop carries (buffers it may overwrite);
         `feeds`: what the caller computes for each input (`Graph.feeds`)."""
-        key = (id(body), frozen, context.key if context is not None else None, carries, feeds)
+        key = (id(body), opaque, context.key if context is not None else None, carries, feeds)
         hit = self.memo.get(key)
         if hit is not None:
             return hit[1:]
         if isinstance(body, C.ClosedJaxpr):
-            jaxpr, sites, skipped = self.jaxpr(body.jaxpr, body.consts, frozen, context, carries,
+            jaxpr, sites, skipped = self.jaxpr(body.jaxpr, body.consts, opaque, context, carries,
                                                feeds)
             result = body if jaxpr is body.jaxpr else C.replace_closed(body, jaxpr)
         else:
-            result, sites, skipped = self.jaxpr(body, None, frozen, context, carries, feeds)
+            result, sites, skipped = self.jaxpr(body, None, opaque, context, carries, feeds)
         self.memo[key] = (body, result, sites, skipped)
         return result, sites, skipped
 
-    def descend(self, eqn, graph, frozen, context, sites, skipped):
+    def descend(self, eqn, graph, opaque, context, sites, skipped):
         """Post-order: rewrite the bodies of a higher-order equation first.
         `graph()`: the enclosing jaxpr's Graph (built on first use)."""
         def visit(b, seg, freeze):
@@ -87,18 +89,18 @@ class _Walk:
             return new
 
         if subjaxprs.is_known(eqn):
-            return subjaxprs.map_bodies(eqn, lambda b, seg: visit(b, seg, frozen))
+            return subjaxprs.map_bodies(eqn, lambda b, seg: visit(b, seg, opaque))
         bodies = subjaxprs.unknown_bodies(eqn)
         if bodies:
             # Left untouched; its bodies are still read so the report can list
             # the sites it hides, each declined with the primitive's name.
-            if frozen is None:
+            if opaque is None:
                 skipped.append(Skipped(eqn.primitive.name, "", (eqn.source_info,), self.origin))
             for b, seg in bodies:
-                visit(b, seg, frozen or eqn.primitive.name)
+                visit(b, seg, opaque or eqn.primitive.name)
         return eqn
 
-    def jaxpr(self, jaxpr, consts, frozen, context, carries=(), feeds=None):
+    def jaxpr(self, jaxpr, consts, opaque, context, carries=(), feeds=None):
         sites, skipped = [], []
         pre = []
 
@@ -109,7 +111,7 @@ class _Walk:
 
         eqns, changed = [], False
         for eqn in jaxpr.eqns:
-            new = self.descend(eqn, graph, frozen, context, sites, skipped)
+            new = self.descend(eqn, graph, opaque, context, sites, skipped)
             changed |= new is not eqn
             eqns.append(new)
         view_eqns, groups, inlined = _inline_small_calls(eqns)
@@ -122,7 +124,7 @@ class _Walk:
             carried = {id(jaxpr.invars[i]) for i in carries}
             replaced = self.match_all(
                 graph, roots, lambda e: [*by_root.get(e.primitive.name, ()), *any_root],
-                frozen, context, sites, carried)
+                opaque, context, sites, carried)
             if replaced is not None:
                 return C.replace_eqns(jaxpr, _restore_unused_calls(replaced, groups)), sites, skipped
         return (C.replace_eqns(jaxpr, eqns) if changed else jaxpr), sites, skipped
@@ -137,7 +139,7 @@ class _Walk:
                    if name in present and (kept := [p for p in ps if ok(p)])}
         return by_root, [p for p in self.any_root if ok(p)]
 
-    def match_all(self, graph: Graph, roots, patterns_for, frozen, context, sites,
+    def match_all(self, graph: Graph, roots, patterns_for, opaque, context, sites,
                   carried=frozenset()):
         """Matches every root in program order; the new equation list, or None.
         `patterns_for(eqn)`: the patterns to offer `eqn`."""
@@ -156,8 +158,8 @@ class _Walk:
                         break  # the call's own body was walked: its sites are reported there
                     reason = (pattern.check(m, graph)
                               or _structural_reason(m, graph, absorbed)
-                              or (f"inside unknown higher-order primitive `{frozen}`, "
-                                  f"which the pass does not descend into" if frozen else None))
+                              or (f"inside unknown higher-order primitive `{opaque}`, "
+                                  f"which the pass does not descend into" if opaque else None))
                     cost_reason = None
                     if reason is None and pattern.barrier and self.cost is not None:
                         cost_reason, facts = self.cost.evaluate(m, graph, context, pattern.name)
