@@ -62,7 +62,7 @@ def _reference_lowering(reference, multiple_results):
 
 _lower_add_relu_reference = _reference_lowering(
     lambda a, b, **_: add_relu_reference(a, b), multiple_results=False)
-# (epilogue_reference ignores grad_at_zero and cost too)
+# (epilogue_reference ignores grad_at_zero, site_facts, inplace and pace too)
 _lower_epilogue_reference = _reference_lowering(epilogue_reference, multiple_results=True)
 
 
@@ -83,9 +83,11 @@ def _fits_device(ctx, platform, target) -> bool:
     return rank <= _CUDA_MAX_RANK[target]
 
 
-def _paced(platform: str, avals_in, avals_out) -> bool:
+def _paced(platform: str, avals_in, avals_out, pace=None) -> bool:
     """Whether this call gets a pacing value (`_sharding.pacing_value`): on CPU,
-    from 512 KiB of output, and not for symbolic shapes (their size is unknown).
+    from 512 KiB of output, and not for symbolic shapes (their size is unknown),
+    nor where the rewrite found the program busy enough without (`pace=False`,
+    rewrite/pacing.py).
 
     XLA:CPU runs a program it estimates under 1000 flops inline on the
     dispatching thread, and counts a custom call as -1 flops, so a program of
@@ -98,7 +100,7 @@ def _paced(platform: str, avals_in, avals_out) -> bool:
     bench/probes/pacing_loop.py, and the notes beside them.
     """
     avals = (*avals_in, *avals_out)
-    if platform != "cpu" or not all(isinstance(d, int) for a in avals for d in a.shape):
+    if pace is False or platform != "cpu" or not all(isinstance(d, int) for a in avals for d in a.shape):
         return False
     out_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in avals_out)
     return out_bytes >= _CPU_PACING_MIN_OUTPUT_BYTES
@@ -137,18 +139,19 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
         if inplace is not None and tuple(ctx.avals_in[inplace].shape) != tuple(ctx.avals_out[0].shape):
             inplace = None
         call = local_call(target, len(ctx.avals_out), attrs, inplace=inplace,
-                          pace=_paced(platform, ctx.avals_in, ctx.avals_out))
+                          pace=_paced(platform, ctx.avals_in, ctx.avals_out,
+                                                 params.get("pace")))
         return mlir.lower_fun(call, multiple_results=len(ctx.avals_out) > 1)(ctx, *args)
 
     return lower
 
 
-def _add_relu_attrs(ctx, platform, *, grad_at_zero, site_facts=None, inplace=None):
+def _add_relu_attrs(ctx, platform, *, grad_at_zero, site_facts=None, inplace=None, pace=None):
     return ()  # grad_at_zero only matters to the JVP
 
 
 def _epilogue_attrs(ctx, platform, *, mean, scale, residual, tie, grad_at_zero, prescale=False,
-                    site_facts=None, inplace=None):
+                    site_facts=None, inplace=None, pace=None):
     r = _numerics.rounding(platform, ctx.avals_in[0].dtype)
     return (("mean", mean), ("prescale", prescale), ("scale", scale), ("residual", residual),
             ("contract", r.contract and scale), ("narrow_each_op", r.narrow_each_op), ("tie", tie))

@@ -18,6 +18,8 @@ Shared contract:
   * `site_facts` (optional) is what the pass's cost model recorded about the
     site (`rewrite.cost.SiteFacts`); the lowering decides with it, per
     platform, whether the kernel pays;
+  * `pace` (optional) False: the program's own XLA work already runs it on
+    XLA:CPU's thread pool, so the call needs no pacing value (rewrite/pacing.py);
   * `inplace` (optional) is the position of a full-size operand whose buffer
     nothing reads afterwards: the kernel may write its result there (elementwise,
     so reading and writing the same element in one step is safe);
@@ -129,13 +131,13 @@ def _aval_out(avals):
 
 
 # ---------------------------------------------------------------- abstract eval
-def _add_relu_abstract_eval(a, b, *, grad_at_zero, site_facts=None, inplace=None):
+def _add_relu_abstract_eval(a, b, *, grad_at_zero, site_facts=None, inplace=None, pace=None):
     check_operands(a.shape, a.dtype, b.shape, b.dtype)
     return _aval_out([a, b])
 
 
 def _epilogue_abstract_eval(*avals, mean, scale, residual, tie, grad_at_zero, prescale=False,
-                            site_facts=None, inplace=None):
+                            site_facts=None, inplace=None, pace=None):
     labels = epilogue_labels(mean=mean, prescale=prescale, scale=scale, residual=residual)
     if len(avals) != len(labels):
         raise TypeError(f"jaxfuse epilogue: expected operands {labels}, got {len(avals)}")
@@ -178,7 +180,7 @@ def add_relu_reference(a, b):
 
 
 def epilogue_reference(*operands, mean, scale, residual, tie, grad_at_zero=None, prescale=False,
-                       site_facts=None, inplace=None):
+                       site_facts=None, inplace=None, pace=None):
     """The unfused definition of `epilogue_p` (XLA fuses and rounds it its own way)."""
     v = preactivation(*operands, mean=mean, prescale=prescale, scale=scale, residual=residual)
     zero = lax.full((), 0, v.dtype)

@@ -86,6 +86,34 @@ def test_a_smaller_call_stays_inline(rng, shape, b_shape):
     assert_bitwise_equal(opt(a, b), jax.jit(_relu_add)(a, b))
 
 
+def test_a_program_busy_without_it_gets_no_pacing_value(rng):
+    """A program whose own ops XLA counts as large runs on XLA's pool anyway:
+    its calls take no pacing value, and so hold no temp bytes for one."""
+    from jaxfuse.rewrite import pacing
+
+    a = random_operand(rng, (ROWS, 256), np.float32)
+    w = random_operand(rng, (256, 1024), np.float32)
+    b = random_operand(rng, (1024,), np.float32)
+    f = lambda a, w, b: jax.nn.relu(a @ w + b)  # noqa: E731
+    assert _output_bytes((ROWS, 1024), np.float32) >= THRESHOLD
+    assert pacing.xla_flops(jax.make_jaxpr(f)(a, w, b)) == 2 * ROWS * 1024 * 256 + ROWS * 1024
+    opt = jax.jit(jaxfuse.optimize(f, policy="always"))
+    lowered = opt.lower(a, w, b)
+    assert _operands_of_calls(lowered.as_text()) == [2]
+    compiled = lowered.compile()
+    assert _flops(compiled) >= 1000  # XLA's own estimate agrees: not run inline
+    xla_temp = jax.jit(f).lower(a, w, b).compile().memory_analysis().temp_size_in_bytes
+    assert compiled.memory_analysis().temp_size_in_bytes <= xla_temp
+    assert_bitwise_equal(opt(a, w, b), jax.jit(f)(a, w, b))
+    # Under grad and vmap the calls keep the mark.
+    grads = jax.grad(lambda a, w, b: jnp.sum(jaxfuse.optimize(f, policy="always")(a, w, b)),
+                     (0, 1, 2))
+    assert all(n == 2 for n in _operands_of_calls(jax.jit(grads).lower(a, w, b).as_text()))
+    # Alone, the same call is paced.
+    alone = jax.jit(jaxfuse.optimize(_relu_add, policy="always")).lower(a @ w, b)
+    assert _operands_of_calls(alone.as_text()) == [3]
+
+
 def test_the_epilogue_is_paced_with_every_operand_kept(rng):
     n = 2 * ROWS  # x, r and the output full size: 512 columns
     x = random_operand(rng, (n, 512), np.float32)

@@ -23,6 +23,7 @@ import jax
 
 from .. import _compat as C
 from . import cost as _cost
+from . import pacing
 from . import probe as _probe
 from . import tuning
 from .patterns import resolve
@@ -194,6 +195,7 @@ def rewrite_for(closed, patterns, policy: str, platform: str | None, origin=None
                 lambda give_back: rewrite(closed, patterns, origin,
                                           cost=_cost.CostModel(platform, give_back)),
                 patterns=patterns, tuner=tuner, time_it=time_it)
+    report.jaxpr = new = pacing.settle(new)
     return new, report
 
 
@@ -207,7 +209,8 @@ def measured_choice(closed, patterns, autotuner=None, platform: str | None = Non
     if why is not None:
         tuner.skipped.append(why)
         return auto
-    candidates = {"xla": closed, "auto": auto, "always": rewrite(closed, patterns)[0]}
+    candidates = {"xla": closed, "auto": auto,
+                  "always": pacing.settle(rewrite(closed, patterns)[0])}
     return candidates[tuning.choose_among(closed, candidates, patterns, tuner, default="auto",
                                           baseline="xla")[0]]
 

@@ -1,0 +1,89 @@
+"""Whether a rewritten program needs its CPU calls paced.
+
+XLA:CPU runs a program it estimates under 1000 flops inline on the thread
+that dispatched it; a fused call (a custom call, -1 flops) is then handed a
+*pacing value* that puts the program on XLA's pool (`_lowering._paced`, where
+the rule and its results are cited). That value is a scalar XLA computes, and
+it holds a few hundred bytes of temp memory where `jax.jit`'s program may hold
+none. A program whose own XLA work already passes that estimate runs on the
+pool anyway: its fused calls are marked `pace=False` and hold nothing extra.
+
+The estimate here is a lower bound of what XLA counts (contractions, adds,
+multiplies, divides and sums; nothing else), so a program is only marked when
+XLA surely counts it as large.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .. import _compat as C
+from .._primitive import add_relu_p, epilogue_p
+from . import subjaxprs
+
+_FUSED = (add_relu_p, epilogue_p)
+# XLA:CPU's inline limit is 1000 estimated flops; a wide margin over it.
+_BUSY_FLOPS = 8 * 1000
+_ARITHMETIC = frozenset({"add", "sub", "mul", "div", "add_any"})
+
+
+def _elements(aval) -> int | None:
+    shape = getattr(aval, "shape", ())
+    return math.prod(shape) if all(isinstance(d, int) for d in shape) else None
+
+
+def _flops(eqn) -> int:
+    """A lower bound of the flops XLA counts for `eqn` (0 where unsure)."""
+    name = eqn.primitive.name
+    out = _elements(eqn.outvars[0].aval) if eqn.outvars else None
+    if out is None:
+        return 0
+    if name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        shape = eqn.invars[0].aval.shape
+        k = math.prod(shape[d] for d in lhs_contract) if all(
+            isinstance(shape[d], int) for d in lhs_contract) else 1
+        return 2 * out * k
+    if name == "conv_general_dilated" or name in _ARITHMETIC:
+        return out  # a convolution does at least one multiply-add per output element
+    if name == "reduce_sum":
+        return _elements(eqn.invars[0].aval) or 0
+    return 0
+
+
+def xla_flops(closed) -> int:
+    """A lower bound of the flops XLA:CPU estimates for `closed`'s own ops
+    (every body counted once, the fused calls not at all)."""
+    return sum(_flops(e) for e in subjaxprs.all_eqns(closed) if e.primitive not in _FUSED)
+
+
+def settle(closed):
+    """`closed` with every fused call marked `pace=False` when the program's own
+    XLA work already puts it on XLA:CPU's pool; else `closed` itself."""
+    if not any(e.primitive in _FUSED for e in subjaxprs.all_eqns(closed)):
+        return closed
+    if xla_flops(closed) < _BUSY_FLOPS:
+        return closed
+    jaxpr = _unpaced(closed.jaxpr)
+    return closed if jaxpr is closed.jaxpr else C.replace_closed(closed, jaxpr)
+
+
+def _unpaced(jaxpr):
+    eqns, changed = [], False
+    for e in jaxpr.eqns:
+        if e.primitive in _FUSED:
+            new = C.replace_params(e, {**e.params, "pace": False})
+        elif subjaxprs.is_known(e):
+            new = subjaxprs.map_bodies(e, lambda b, seg: _unpaced_body(b))
+        else:
+            new = e
+        changed |= new is not e
+        eqns.append(new)
+    return C.replace_eqns(jaxpr, eqns) if changed else jaxpr
+
+
+def _unpaced_body(body):
+    if isinstance(body, C.ClosedJaxpr):
+        jaxpr = _unpaced(body.jaxpr)
+        return body if jaxpr is body.jaxpr else C.replace_closed(body, jaxpr)
+    return _unpaced(body)
