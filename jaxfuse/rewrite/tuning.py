@@ -296,6 +296,13 @@ def _in_clean_thread(fn: Callable[[], object]):
     """`fn()` in a thread of its own, outside the trace this one is in: there
     a mesh may be entered (`jax.set_mesh` refuses inside jit), and compiling
     and running candidates leaves the trace untouched."""
+    return _in_thread(fn, "jaxfuse-tuning")
+
+
+def _in_thread(fn: Callable[[], object], name: str, limit_s: float | None = None,
+               what: str = ""):
+    """`fn()` in a daemon thread named `name`, waited for at most `limit_s`
+    seconds (None: until it ends); raises what it raised, or `_Overrun(what)`."""
     box: dict = {}
 
     def target():
@@ -304,9 +311,11 @@ def _in_clean_thread(fn: Callable[[], object]):
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             box["error"] = e
 
-    thread = threading.Thread(target=target, name="jaxfuse-tuning", daemon=True)
+    thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
-    thread.join()
+    thread.join(limit_s)
+    if thread.is_alive():
+        raise _Overrun(what)
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -344,22 +353,7 @@ def _within(limit_s: float, what: str, fn: Callable[[], object]):
     An overrun raises `_Overrun` and leaves the thread behind, waiting on a
     computation jax cannot cancel (a daemon thread, so it never holds up exit).
     """
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-            box["error"] = e
-
-    thread = threading.Thread(target=target, name="jaxfuse-tuning-run", daemon=True)
-    thread.start()
-    thread.join(limit_s)
-    if thread.is_alive():
-        raise _Overrun(what)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return _in_thread(fn, "jaxfuse-tuning-run", limit_s, what)
 
 
 def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: str,
