@@ -46,6 +46,7 @@
 
 #include "add_relu_common.h"
 #include "cpu_config.h"
+#include "epilogue_ffi.h"
 #include "epilogue_scalar.h"
 #include "output_reuse.h"
 #include "xla/ffi/api/ffi.h"
@@ -934,41 +935,18 @@ ffi::Error EpilogueCpuImpl(ffi::ThreadPool pool, ffi::RemainingArgs args,
                            bool scale, bool residual, bool contract,
                            bool narrow_each_op, bool tie) {
   const char* op = "jaxfuse_epilogue";
-  int slots[kMaxOperands];
-  const int n = EpilogueSlots(mean, prescale, scale, residual, slots);
+  EpilogueCall call;
   // One more operand than the flags name is a pacing value (see "Pacing").
-  if ((args.size() != static_cast<size_t>(n) &&
-       args.size() != static_cast<size_t>(n) + 1) ||
-      rets.size() != static_cast<size_t>(tie ? 2 : 1)) {
-    return ffi::Error::InvalidArgument(
-        std::string(op) + ": expected " + std::to_string(n) + " operands and " +
-        std::to_string(tie ? 2 : 1) + " results for these attributes, got " +
-        std::to_string(args.size()) + " and " + std::to_string(rets.size()));
-  }
-  if ((mean || prescale) && !scale) {
-    return ffi::Error::InvalidArgument(std::string(op) +
-                                       ": a mean or a pre-scale needs a scale");
-  }
-  std::vector<ffi::AnyBuffer> bufs;
-  bufs.reserve(n);
-  for (int k = 0; k < n; ++k) {
-    auto arg = args.get<ffi::AnyBuffer>(k);
-    if (arg.has_error()) return arg.error();
-    bufs.push_back(arg.value());
+  if (ffi::Error e = ReadEpilogueCall(op, args, rets,
+                                      {mean, prescale, scale, residual, tie},
+                                      /*extra=*/1, &call);
+      e.failure()) {
+    return e;
   }
   const ffi::AnyBuffer* ops[kMaxOperands];
-  for (int k = 0; k < n; ++k) ops[k] = &bufs[k];
-  auto out = rets.get<ffi::AnyBuffer>(0);
-  if (out.has_error()) return out.error();
-  ffi::AnyBuffer out_buf = *out.value();
-  std::vector<ffi::AnyBuffer> tie_buf;
-  if (tie) {
-    auto t = rets.get<ffi::AnyBuffer>(1);
-    if (t.has_error()) return t.error();
-    tie_buf.push_back(*t.value());
-  }
-  return Execute(pool, op, ops, slots, n, &out_buf,
-                 tie ? &tie_buf[0] : nullptr,
+  for (int k = 0; k < call.n; ++k) ops[k] = &call.operands[k];
+  return Execute(pool, op, ops, call.slots, call.n, &call.results[0],
+                 tie ? &call.results[1] : nullptr,
                  VariantKey(mean, prescale, scale, residual, contract && scale,
                             narrow_each_op, false));
 }
@@ -1000,14 +978,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddReluCpu, jaxfuse::AddReluCpuImpl,
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpilogueCpu, jaxfuse::EpilogueCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<bool>("mean")
-                                  .Attr<bool>("prescale")
-                                  .Attr<bool>("scale")
-                                  .Attr<bool>("residual")
-                                  .Attr<bool>("contract")
-                                  .Attr<bool>("narrow_each_op")
-                                  .Attr<bool>("tie"));
+                              jaxfuse::WithEpilogueAttrs(
+                                  ffi::Ffi::Bind()
+                                      .Ctx<ffi::ThreadPool>()
+                                      .RemainingArgs()
+                                      .RemainingRets()));

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "add_relu_common.h"
+#include "epilogue_ffi.h"
 #include "epilogue_scalar.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -154,31 +155,28 @@ ffi::Error EpilogueCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
                             bool scale, bool residual, bool contract,
                             bool narrow_each_op, bool tie) {
   const char* op = "jaxfuse_epilogue (CUDA)";
-  int slots[kMaxOperands];
-  const int n = EpilogueSlots(mean, prescale, scale, residual, slots);
-  if (args.size() != static_cast<size_t>(n) ||
-      rets.size() != static_cast<size_t>(tie ? 2 : 1) ||
-      ((mean || prescale) && !scale)) {
-    return ffi::Error::InvalidArgument(
-        std::string(op) + ": operands and results do not match the attributes");
+  EpilogueCall call;
+  if (ffi::Error e = ReadEpilogueCall(op, args, rets,
+                                      {mean, prescale, scale, residual, tie},
+                                      /*extra=*/0, &call);
+      e.failure()) {
+    return e;
   }
+  const int n = call.n;
+  const int* slots = call.slots;
   ffi::Span<const int64_t> dims[kMaxOperands];
   const void* data[kMaxOperands];
-  ffi::DataType dt = ffi::DataType::INVALID;
+  const ffi::DataType dt = call.operands[0].element_type();
   for (int k = 0; k < n; ++k) {
-    auto arg = args.get<ffi::AnyBuffer>(k);
-    if (arg.has_error()) return arg.error();
-    if (k == 0) dt = arg->element_type();
-    if (arg->element_type() != dt) {
+    const ffi::AnyBuffer& arg = call.operands[k];
+    if (arg.element_type() != dt) {
       return ffi::Error::InvalidArgument(std::string(op) +
                                          ": operand dtypes must match");
     }
-    dims[k] = arg->dimensions();
-    data[k] = arg->untyped_data();
+    dims[k] = arg.dimensions();
+    data[k] = arg.untyped_data();
   }
-  auto out = rets.get<ffi::AnyBuffer>(0);
-  if (out.has_error()) return out.error();
-  ffi::AnyBuffer out_buf = *out.value();
+  ffi::AnyBuffer& out_buf = call.results[0];
   if (out_buf.element_type() != dt || !SupportedDtype(dt)) {
     return ffi::Error::InvalidArgument(
         std::string(op) + ": unsupported or mismatched dtype " +
@@ -186,14 +184,11 @@ ffi::Error EpilogueCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
   }
   bool* tie_ptr = nullptr;
   if (tie) {
-    auto t = rets.get<ffi::AnyBuffer>(1);
-    if (t.has_error()) return t.error();
-    ffi::AnyBuffer tie_buf = *t.value();
-    if (tie_buf.element_type() != ffi::DataType::PRED) {
+    if (call.results[1].element_type() != ffi::DataType::PRED) {
       return ffi::Error::InvalidArgument(std::string(op) +
                                          ": the tie output must be bool");
     }
-    tie_ptr = static_cast<bool*>(tie_buf.untyped_data());
+    tie_ptr = static_cast<bool*>(call.results[1].untyped_data());
   }
   Collapsed c;
   if (ffi::Error e = Collapse(op, dims, n, out_buf.dimensions(), &c);
@@ -261,15 +256,8 @@ ffi::Error EpilogueCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     EpilogueCuda, jaxfuse::EpilogueCudaImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .RemainingArgs()
-        .RemainingRets()
-        .Attr<bool>("mean")
-        .Attr<bool>("prescale")
-        .Attr<bool>("scale")
-        .Attr<bool>("residual")
-        .Attr<bool>("contract")
-        .Attr<bool>("narrow_each_op")
-        .Attr<bool>("tie"),
+    jaxfuse::WithEpilogueAttrs(ffi::Ffi::Bind()
+                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                   .RemainingArgs()
+                                   .RemainingRets()),
     {xla::ffi::Traits::kCmdBufferCompatible});
