@@ -113,6 +113,9 @@ class SiteFacts:
     probe (probe.py) names it in XLA's compiled program (-1: not probed)."""
     xla_fuses: bool = False
     """The probe saw XLA fuse this site into a library fusion with its neighbours."""
+    written_bytes: int = 0
+    """Bytes of the "small" operands: values XLA would compute inside its own
+    loop that the call needs written to memory first (temp the site adds)."""
 
     def __str__(self):
         return f"{self.pattern}[{self.elements} x {self.dtype}]"
@@ -313,7 +316,7 @@ class CostModel:
         if not _symbolic(n_out):
             n_out = max(n_out, 1)
         itemsize = np.dtype(out.aval.dtype).itemsize
-        producers = []
+        producers, written = [], 0
         inside = {id(e) for e in m.eqns}
         for k, a in enumerate(m.operands):
             cls, prim = producer_class(a, graph, context)
@@ -326,6 +329,7 @@ class CostModel:
                             f"same loop; as a custom-call operand it is written out and read "
                             f"back (+{_mib(2 * _size(a) * itemsize)})"), None
                 cls = "small"
+                written += _size(a) * itemsize if not _symbolic(_size(a)) else 0
             producers.append(cls)
         readers = materializing_readers(out, graph, context, skip=inside)
         if not readers:
@@ -337,7 +341,8 @@ class CostModel:
         facts = SiteFacts(pattern, str(n_out) if _symbolic(n_out) else n_out,
                           np.dtype(out.aval.dtype).name, tuple(producers),
                           tuple(sorted(readers)),
-                          *_form_and_channels(pattern, [_size(a) for a in m.operands], n_out))
+                          *_form_and_channels(pattern, [_size(a) for a in m.operands], n_out),
+                          written_bytes=written)
         # Known platform: decline here, so the site keeps XLA's own program
         # exactly (a site declined only at lowering gets XLA's ops, but in the
         # rewrite's arrangement: inlined calls, moved derivative masks).

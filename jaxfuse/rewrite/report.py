@@ -194,7 +194,7 @@ class Report:
         for s in self.sites:
             operands = ", ".join(f"{d}{list(sh)}" for sh, d in zip(s.shapes, s.dtypes))
             rows.append((s.pattern, s.status, s.location,
-                         s.path or "-", s.spelling, operands, s.reason or ""))
+                         s.path or "-", s.spelling, operands, s.reason or _memory_note(s)))
             for name, why in s.alternatives:  # the other patterns that fit here
                 rows.append((f"  {name}", "also", "", "", "", "", why))
         for k in self.skipped:
@@ -210,9 +210,11 @@ class Report:
             summary += f"\nmeasured: {self.measured}"
         if self.memory:
             jit, opt = self.memory["jit"]["temp"], self.memory["optimized"]["temp"]
-            ratio = f" ({opt / jit:.2f}x)" if jit else ""
+            ratio = f", {opt / jit:.2f}x" if jit else ""
+            change = ("the same" if opt == jit else
+                      f"{'+' if opt > jit else '-'}{human_bytes(abs(opt - jit))}{ratio}")
             summary += (f"\ncompiled temp bytes: {human_bytes(jit)} with jax.jit, "
-                        f"{human_bytes(opt)} optimized{ratio}")
+                        f"{human_bytes(opt)} optimized ({change})")
         if not rows:
             return f"jaxfuse: no candidate sites ({summary})"
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
@@ -220,3 +222,12 @@ class Report:
         lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
         lines += [fmt.format(*r).rstrip() for r in rows]
         return "\n".join([*lines, summary])
+
+
+def _memory_note(site) -> str:
+    """For a fused site the cost model decided: the temp bytes it adds."""
+    written = getattr(site.cost, "written_bytes", 0) if site.fused else 0
+    if not written:
+        return ""
+    return (f"holds +{human_bytes(written)} of temp: operands XLA computes in its own loop "
+            f"are written out for the call")
