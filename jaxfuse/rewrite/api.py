@@ -293,7 +293,7 @@ def _compiled_memory(closed) -> dict:
     """Bytes XLA reports for `closed` compiled for the default device."""
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
              for a in closed.in_avals]
-    stats = jax.jit(lambda *a: C.eval_closed(closed, *a)).lower(*avals).compile().memory_analysis()
+    stats = jax.jit(lambda *a: C.inline_closed(closed, *a)).lower(*avals).compile().memory_analysis()
     return {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in ("temp", "argument", "output")}
 
 

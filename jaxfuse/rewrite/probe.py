@@ -39,7 +39,7 @@ def library_fused(closed: C.ClosedJaxpr) -> set[int]:
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
              for a in closed.in_avals]
     with PROBING(True):
-        text = jax.jit(lambda *a: C.eval_closed(closed, *a)).lower(*avals).compile().as_text()
+        text = jax.jit(lambda *a: C.inline_closed(closed, *a)).lower(*avals).compile().as_text()
     return tagged_in_library_fusions(text)
 
 

@@ -288,7 +288,7 @@ def _inputs(closed, seed: int = 0, mesh=None):
 
 
 def _compiled(variant, args):
-    fn = jax.jit(lambda *a: C.eval_closed(variant, *a))
+    fn = jax.jit(lambda *a: C.inline_closed(variant, *a))
     return fn.lower(*args).compile()
 
 
