@@ -60,30 +60,18 @@ def xla_flops(closed) -> int:
 def settle(closed):
     """`closed` with every fused call marked `pace=False` when the program's own
     XLA work already puts it on XLA:CPU's pool; else `closed` itself."""
-    if not any(e.primitive in _FUSED for e in subjaxprs.all_eqns(closed)):
-        return closed
-    if xla_flops(closed) < _BUSY_FLOPS:
-        return closed
-    jaxpr = _unpaced(closed.jaxpr)
-    return closed if jaxpr is closed.jaxpr else C.replace_closed(closed, jaxpr)
-
-
-def _unpaced(jaxpr):
-    eqns, changed = [], False
-    for e in jaxpr.eqns:
+    fused = flops = 0
+    for e in subjaxprs.all_eqns(closed):
         if e.primitive in _FUSED:
-            new = C.replace_params(e, {**e.params, "pace": False})
-        elif subjaxprs.is_known(e):
-            new = subjaxprs.map_bodies(e, lambda b, seg: _unpaced_body(b))
+            fused += 1
         else:
-            new = e
-        changed |= new is not e
-        eqns.append(new)
-    return C.replace_eqns(jaxpr, eqns) if changed else jaxpr
+            flops += _flops(e)
+    if not fused or flops < _BUSY_FLOPS:
+        return closed
+    return subjaxprs.map_eqns(closed, _unpaced)
 
 
-def _unpaced_body(body):
-    if isinstance(body, C.ClosedJaxpr):
-        jaxpr = _unpaced(body.jaxpr)
-        return body if jaxpr is body.jaxpr else C.replace_closed(body, jaxpr)
-    return _unpaced(body)
+def _unpaced(eqn):
+    if eqn.primitive in _FUSED:
+        return C.replace_params(eqn, {**eqn.params, "pace": False})
+    return None

@@ -65,25 +65,14 @@ def tagged_in_library_fusions(text: str) -> set[int]:
 
 def mark(closed: C.ClosedJaxpr, numbers: set[int]) -> C.ClosedJaxpr:
     """`closed` with the probed sites `numbers` given back to XLA."""
-    def body(b, _segment=None):
-        jaxpr = getattr(b, "jaxpr", b)
-        eqns, changed = [], False
-        for eqn in jaxpr.eqns:
-            new = eqn
-            facts = eqn.params.get("site_facts")
-            if getattr(facts, "probe", -1) in numbers:
-                new = C.replace_params(eqn, {**eqn.params,
-                                             "site_facts": dataclasses.replace(facts, xla_fuses=True)})
-            elif subjaxprs.is_known(eqn):
-                new = subjaxprs.map_bodies(eqn, body)
-            changed |= new is not eqn
-            eqns.append(new)
-        if not changed:
-            return b
-        new_jaxpr = C.replace_eqns(jaxpr, eqns)
-        return C.replace_closed(b, new_jaxpr) if isinstance(b, C.ClosedJaxpr) else new_jaxpr
+    def give_back(eqn):
+        facts = eqn.params.get("site_facts")
+        if getattr(facts, "probe", -1) not in numbers:
+            return None
+        return C.replace_params(eqn, {**eqn.params,
+                                      "site_facts": dataclasses.replace(facts, xla_fuses=True)})
 
-    return body(closed)
+    return subjaxprs.map_eqns(closed, give_back)
 
 
 def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None, time_it=False):

@@ -137,6 +137,25 @@ def map_bodies(eqn, fn) -> C.JaxprEqn:
     return eqn if new_params is None else C.replace_params(eqn, new_params)
 
 
+def map_eqns(body, fn):
+    """`body` (a Jaxpr or ClosedJaxpr) with each equation replaced by
+    `fn(eqn)`, through every known body; `fn` returns the equation itself to
+    keep it (and may return `None` to descend into it). The same object when
+    nothing changed."""
+    jaxpr = getattr(body, "jaxpr", body)
+    eqns, changed = [], False
+    for eqn in jaxpr.eqns:
+        new = fn(eqn)
+        if new is None:
+            new = map_bodies(eqn, lambda b, _seg: map_eqns(b, fn)) if is_known(eqn) else eqn
+        changed |= new is not eqn
+        eqns.append(new)
+    if not changed:
+        return body
+    new_jaxpr = C.replace_eqns(jaxpr, eqns)
+    return C.replace_closed(body, new_jaxpr) if isinstance(body, C.ClosedJaxpr) else new_jaxpr
+
+
 def all_eqns(body):
     """Every equation of a (Closed)Jaxpr, recursively through every body in
     every equation's params (known primitive or not)."""
