@@ -1,7 +1,8 @@
 // jaxfuse: XLA FFI CUDA handler for the fused `max(a + b, 0)`.
 //
 // Semantics: add_relu_scalar.h (the same scalar code as the CPU handler).
-// Validation / broadcast planning: add_relu_common.h (host side).
+// The broadcast: broadcast_cuda.cuh, as the epilogue kernel reads it, with
+// fast paths for a full, scalar or trailing-bias operand.
 //
 // The handler only validates on the host and launches one kernel on the
 // stream XLA gives it: no host sync, no allocation, no device-memory reads on
@@ -16,7 +17,9 @@
 #include <cstdint>
 #include <string>
 
-#include "add_relu_common.h"
+#include "broadcast.h"
+#include "broadcast_cuda.cuh"
+#include "kernel_limits.h"
 #include "add_relu_scalar.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -27,7 +30,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 8192;  // grid-stride beyond that
-constexpr int kMaxRank = 16;          // collapsed rank supported on device
 
 // Kernel variants, chosen at run time (jaxfuse._cuda_kernels.configure, from
 // JAXFUSE_CUDA_VARIANT) so a GPU can time them without a rebuild
@@ -41,8 +43,6 @@ constexpr int kMaxRank = 16;          // collapsed rank supported on device
 //      every variant already (const __restrict__), so this differs in stores
 //   3  2 + float16/bfloat16 through the hardware conversions (cvt), where the
 //      default does the rounding in integer code
-// ptxas (sm_90): 26-42 registers for the vector kernels, no spills; a kernel
-// above 32 registers keeps fewer than 8 blocks of 256 resident per SM.
 // PTX (sm_90, nvcc 13.0; bench/probes/vector_access.py, tests/test_cuda_vector_access.py):
 // every vector kernel loads 16 bytes per operand (ld.global.nc.v4) and stores
 // 16 (st.global.v4, or st.global.cs.v4 in variants 2-3; there the loads of the
@@ -260,30 +260,17 @@ __global__ void AddReluKernel(const typename Op::S* __restrict__ a,
   }
 }
 
-// General broadcast: collapsed dims with per-operand element strides.
-struct GeneralParams {
-  int rank;
-  int64_t dims[kMaxRank];
-  int64_t as[kMaxRank];
-  int64_t bs[kMaxRank];
-};
-
+// Any other broadcast: the strided walk over the collapsed dims.
 template <typename Op>
 __global__ void AddReluGeneralKernel(const typename Op::S* __restrict__ a,
                                      const typename Op::S* __restrict__ b,
                                      typename Op::S* __restrict__ o, int64_t n,
-                                     GeneralParams p) {
+                                     DeviceShape shape, DeviceStrides as,
+                                     DeviceStrides bs) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    int64_t rem = i, ia = 0, ib = 0;
-    for (int d = p.rank - 1; d >= 0; --d) {
-      const int64_t c = rem % p.dims[d];
-      rem /= p.dims[d];
-      ia += c * p.as[d];
-      ib += c * p.bs[d];
-    }
-    o[i] = Op::f(a[ia], b[ib]);
+    o[i] = Op::f(a[StridedOffset(shape, as, i)], b[StridedOffset(shape, bs, i)]);
   }
 }
 
@@ -349,52 +336,49 @@ void LaunchElementwise(cudaStream_t stream, const void* av, const void* bv,
   }
 }
 
+// How one operand is read, from its (i / div) % mod form (broadcast.h).
+bool ModeOf(const Collapsed& c, int k, Mode* mode, int64_t* inner) {
+  int64_t div = 0, mod = 0;
+  if (!DivMod(c, k, &div, &mod) || div != 1) return false;
+  *mode = mod == 1 ? kScalar : mod == c.total ? kFull : kBias;
+  *inner = mod;
+  return true;
+}
+
 template <typename Op>
-ffi::Error Launch(cudaStream_t stream, const BroadcastPlan& plan,
-                  const void* a, const void* b, void* o) {
-  const int64_t n = plan.total;
-  switch (plan.kind) {
-    case BroadcastPlan::kEmpty:
-      return ffi::Error::Success();
-    case BroadcastPlan::kSame:
-      LaunchElementwise<Op, kFull, kFull>(stream, a, b, o, n, 1);
-      break;
-    case BroadcastPlan::kScalarB:
-      LaunchElementwise<Op, kFull, kScalar>(stream, a, b, o, n, 1);
-      break;
-    case BroadcastPlan::kScalarA:
-      LaunchElementwise<Op, kScalar, kFull>(stream, a, b, o, n, 1);
-      break;
-    case BroadcastPlan::kScalars:
-      LaunchElementwise<Op, kScalar, kScalar>(stream, a, b, o, n, 1);
-      break;
-    case BroadcastPlan::kBiasB:
-      LaunchElementwise<Op, kFull, kBias>(stream, a, b, o, n, plan.inner);
-      break;
-    case BroadcastPlan::kBiasA:
-      LaunchElementwise<Op, kBias, kFull>(stream, a, b, o, n, plan.inner);
-      break;
-    case BroadcastPlan::kGeneral: {
-      const int r = static_cast<int>(plan.dims.size());
-      if (r > kMaxRank) {
-        return ffi::Error::InvalidArgument(
-            "jaxfuse_add_relu (CUDA): broadcast pattern too complex (" +
-            std::to_string(r) + " dimension groups after merging, max " +
-            std::to_string(kMaxRank) + ")");
-      }
-      GeneralParams p{};
-      p.rank = r;
-      for (int d = 0; d < r; ++d) {
-        p.dims[d] = plan.dims[d];
-        p.as[d] = plan.a_strides[d];
-        p.bs[d] = plan.b_strides[d];
-      }
-      using S = typename Op::S;
-      AddReluGeneralKernel<Op><<<Blocks(n), kThreads, 0, stream>>>(
-          static_cast<const S*>(a), static_cast<const S*>(b),
-          static_cast<S*>(o), n, p);
-      break;
+ffi::Error Launch(cudaStream_t stream, const Collapsed& c, const void* a,
+                  const void* b, void* o) {
+  const int64_t n = c.total;
+  Mode ma = kFull, mb = kFull;
+  int64_t ia = 0, ib = 0;
+  // The fast paths: full, scalar, or one trailing bias beside a full operand.
+  const bool fast = ModeOf(c, 0, &ma, &ia) && ModeOf(c, 1, &mb, &ib) &&
+                    !(ma == kBias && mb != kFull) && !(mb == kBias && ma != kFull);
+  if (!fast) {
+    DeviceShape shape;
+    if (ffi::Error e = ToDeviceShape("jaxfuse_add_relu (CUDA)", c, &shape);
+        e.failure()) {
+      return e;
     }
+    DeviceStrides as, bs;
+    ToDeviceStrides(c, 0, &as);
+    ToDeviceStrides(c, 1, &bs);
+    using S = typename Op::S;
+    AddReluGeneralKernel<Op><<<Blocks(n), kThreads, 0, stream>>>(
+        static_cast<const S*>(a), static_cast<const S*>(b), static_cast<S*>(o),
+        n, shape, as, bs);
+  } else if (ma == kFull && mb == kFull) {
+    LaunchElementwise<Op, kFull, kFull>(stream, a, b, o, n, 1);
+  } else if (ma == kFull && mb == kScalar) {
+    LaunchElementwise<Op, kFull, kScalar>(stream, a, b, o, n, 1);
+  } else if (ma == kScalar && mb == kFull) {
+    LaunchElementwise<Op, kScalar, kFull>(stream, a, b, o, n, 1);
+  } else if (ma == kScalar && mb == kScalar) {
+    LaunchElementwise<Op, kScalar, kScalar>(stream, a, b, o, n, 1);
+  } else if (ma == kFull) {
+    LaunchElementwise<Op, kFull, kBias>(stream, a, b, o, n, ib);
+  } else {
+    LaunchElementwise<Op, kBias, kFull>(stream, a, b, o, n, ia);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
@@ -408,25 +392,41 @@ ffi::Error Launch(cudaStream_t stream, const BroadcastPlan& plan,
 ffi::Error AddReluCudaImpl(cudaStream_t stream, ffi::AnyBuffer a,
                            ffi::AnyBuffer b,
                            ffi::Result<ffi::AnyBuffer> out) {
-  BroadcastPlan plan;
-  if (ffi::Error e = PlanCall(a, b, *out, &plan); e.failure()) return e;
-  if (plan.kind == BroadcastPlan::kEmpty) return ffi::Error::Success();
+  const ffi::DataType dt = a.element_type();
+  if (b.element_type() != dt || out->element_type() != dt) {
+    return ffi::Error::InvalidArgument(
+        "jaxfuse_add_relu (CUDA): operand and result dtypes must match, got a=" +
+        DtypeString(dt) + ", b=" + DtypeString(b.element_type()) + ", out=" +
+        DtypeString(out->element_type()));
+  }
+  if (!SupportedDtype(dt)) {
+    return ffi::Error::InvalidArgument(
+        "jaxfuse_add_relu (CUDA): unsupported dtype " + DtypeString(dt) +
+        " (supported: float32, float64, float16, bfloat16)");
+  }
+  const ffi::Span<const int64_t> dims[2] = {a.dimensions(), b.dimensions()};
+  Collapsed c;
+  if (ffi::Error e = Collapse("jaxfuse_add_relu (CUDA)", dims, 2,
+                              out->dimensions(), &c);
+      e.failure()) {
+    return e;
+  }
+  if (c.total == 0) return ffi::Error::Success();
   const void* ap = a.untyped_data();
   const void* bp = b.untyped_data();
   void* op = out->untyped_data();
   switch (a.element_type()) {
-    case ffi::DataType::F32: return Launch<F32Op>(stream, plan, ap, bp, op);
-    case ffi::DataType::F64: return Launch<F64Op>(stream, plan, ap, bp, op);
+    case ffi::DataType::F32: return Launch<F32Op>(stream, c, ap, bp, op);
+    case ffi::DataType::F64: return Launch<F64Op>(stream, c, ap, bp, op);
     case ffi::DataType::F16:
-      return g_variant.load() >= 3 ? Launch<F16HwOp>(stream, plan, ap, bp, op)
-                                   : Launch<F16Op>(stream, plan, ap, bp, op);
+      return g_variant.load() >= 3 ? Launch<F16HwOp>(stream, c, ap, bp, op)
+                                   : Launch<F16Op>(stream, c, ap, bp, op);
     case ffi::DataType::BF16:
-      return g_variant.load() >= 3 ? Launch<BF16HwOp>(stream, plan, ap, bp, op)
-                                   : Launch<BF16Op>(stream, plan, ap, bp, op);
-    default:  // unreachable: CheckDtypes rejected it
+      return g_variant.load() >= 3 ? Launch<BF16HwOp>(stream, c, ap, bp, op)
+                                   : Launch<BF16Op>(stream, c, ap, bp, op);
+    default:  // unreachable: rejected above
       return ffi::Error::InvalidArgument(
-          "jaxfuse_add_relu (CUDA): unsupported dtype " +
-          DtypeString(a.element_type()));
+          "jaxfuse_add_relu (CUDA): unsupported dtype " + DtypeString(dt));
   }
 }
 

@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <vector>
 
+#ifndef JAXFUSE_TEST_HOOKS
+#define JAXFUSE_TEST_HOOKS 0
+#endif
+
 namespace jaxfuse {
 
 struct CpuSettings {
@@ -25,11 +29,14 @@ const char* VectorPath();
 CpuSettings CurrentCpuSettings();
 // The last-level cache auto mode measures reuse distances against.
 int64_t StreamingCacheBytes();
-// Tests only: whether [p, p + bytes) is memory not yet faulted in, as the
+#if JAXFUSE_TEST_HOOKS
+// Test hooks, built only with JAXFUSE_TEST_HOOKS=ON (the test command's
+// build); the shipping module has none of them.
+// whether [p, p + bytes) is memory not yet faulted in, as the
 // auto rule probes it.
 bool FreshPagesForTests(uintptr_t p, size_t bytes);
 
-// Tests only: split every large call into this many regions (0: one per
+// split every large call into this many regions (0: one per
 // worker, the default), whatever the pool has; and what the last split did.
 void ForceRegionsForTests(int64_t regions);
 struct SplitStats {
@@ -46,10 +53,12 @@ struct StoreStats {
   int64_t reuse_distance;  // bytes touched since its output was last written; -1 unknown
 };
 StoreStats LastStore();
-// Tests only: the reuse distances a fresh tracker reports for a sequence of
+// the reuse distances a fresh tracker reports for a sequence of
 // calls, each (output address, output bytes, bytes touched).
 std::vector<int64_t> ReuseDistancesForTests(
     const std::vector<std::array<uint64_t, 3>>& calls);
+
+#endif  // JAXFUSE_TEST_HOOKS
 
 }  // namespace jaxfuse
 

@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu_config.h"
+#include "kernel_limits.h"
 #include "output_reuse.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -24,6 +25,11 @@ NB_MODULE(_cpu_kernels, m) {
     d["jaxfuse_epilogue"] = nb::capsule(reinterpret_cast<void*>(EpilogueCpu));
     return d;
   }, "Dict of FFI target name -> handler capsule (XLA FFI API, platform='cpu').");
+  m.def("limits", []() {
+    nb::dict d;
+    d["max_rank"] = jaxfuse::kMaxRank;
+    return d;
+  }, "The kernels' limits (csrc/kernel_limits.h): the output rank they take.");
   m.def("configure", [](int64_t max_threads, bool huge_pages, int streaming) {
     jaxfuse::CpuSettings s;
     s.max_threads = max_threads;
@@ -44,6 +50,9 @@ NB_MODULE(_cpu_kernels, m) {
     d["vector_path"] = jaxfuse::VectorPath();
     return d;
   }, "The settings in force, and the last-level cache the auto streaming rule counts against.");
+  m.attr("test_hooks") = bool(JAXFUSE_TEST_HOOKS);
+#if JAXFUSE_TEST_HOOKS
+  // Built only with JAXFUSE_TEST_HOOKS=ON (the test command's build).
   m.def("force_regions_for_tests", [](int64_t regions) {
     jaxfuse::ForceRegionsForTests(regions);
   }, nb::arg("regions"),
@@ -76,4 +85,5 @@ NB_MODULE(_cpu_kernels, m) {
     return jaxfuse::ShouldStream(reuse_distance, touched, cache_bytes);
   }, nb::arg("reuse_distance"), nb::arg("touched"), nb::arg("cache_bytes"),
   "The auto rule: stream when the output was last written at least 1.5 caches of traffic ago (unknown: the call touches that much).");
+#endif  // JAXFUSE_TEST_HOOKS
 }

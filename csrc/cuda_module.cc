@@ -8,6 +8,9 @@
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 
+#include <string>
+
+#include "kernel_limits.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -31,9 +34,19 @@ NB_MODULE(_cuda_kernels, m) {
     return d;
   }, "Dict of FFI target name -> handler capsule (XLA FFI API, platform='CUDA').");
   m.def("configure", [](int variant) {
-    if (variant < 0 || variant > 3) throw nb::value_error("jaxfuse CUDA variant must be 0-3");
+    if (variant < 0 || variant >= jaxfuse::kCudaVariants) {
+      throw nb::value_error(("jaxfuse CUDA variant must be 0-" +
+                             std::to_string(jaxfuse::kCudaVariants - 1)).c_str());
+    }
     jaxfuse::ConfigureCudaVariant(variant);
-  }, nb::arg("variant"), "Selects the add+ReLU kernel variant (0-3, read at each launch).");
+  }, nb::arg("variant"), "Selects the add+ReLU kernel variant (read at each launch; limits()['variants']).");
+  m.def("limits", []() {
+    nb::dict d;
+    d["max_rank"] = jaxfuse::kMaxRank;
+    d["max_device_rank"] = jaxfuse::kMaxDeviceRank;
+    d["variants"] = jaxfuse::kCudaVariants;
+    return d;
+  }, "The kernels' limits (csrc/kernel_limits.h): output rank, collapsed broadcast dims on the device, variants.");
   m.def("settings", []() {
     nb::dict d;
     d["variant"] = jaxfuse::CudaVariant();

@@ -2,7 +2,7 @@
 // `jaxfuse_epilogue`.
 //
 // Semantics: epilogue_scalar.h (bit-identical to XLA:CPU's own fusion).
-// Broadcasting / validation: add_relu_common.h.
+// Broadcasting / validation: broadcast.h.
 //
 // How a call runs:
 //  * The broadcast is collapsed (Collapse) and walked as "runs" along the
@@ -44,7 +44,7 @@
 #include <thread>
 #include <vector>
 
-#include "add_relu_common.h"
+#include "broadcast.h"
 #include "cpu_config.h"
 #include "epilogue_ffi.h"
 #include "epilogue_scalar.h"
@@ -72,17 +72,19 @@ std::atomic<int64_t> g_max_threads{0};
 std::atomic<bool> g_huge_pages{true};
 std::atomic<int> g_streaming{-1};  // auto; jaxfuse/_env.py says why
 std::atomic<bool> g_vector_avx2{true};  // jaxfuse/_isa.py: XLA may use AVX2
-// Tests only: split every call into this many regions (0: one per worker),
-// so splits the pool here cannot reach, and a caller whose helpers never
-// run, get exercised; and what the last split call did.
+RecentOutputs g_recent_outputs;
+#if JAXFUSE_TEST_HOOKS
+// Split every call into this many regions (0: one per worker), so splits the
+// pool here cannot reach, and a caller whose helpers never run, get
+// exercised; and what the last split and the last store did.
 std::atomic<int64_t> g_forced_regions{0};
 std::atomic<int64_t> g_split_calls{0};
 std::atomic<int64_t> g_last_workers{0};
 std::atomic<int64_t> g_last_regions{0};
-RecentOutputs g_recent_outputs;
 std::atomic<int64_t> g_last_reuse{-1};
 std::atomic<bool> g_last_streamed{false};
 std::atomic<bool> g_last_fresh{false};
+#endif
 
 // The last-level cache this core shares, from sysfs (what lscpu shows); glibc's
 // sysconf can report a whole package's L3 instead, many times the slice a
@@ -132,6 +134,7 @@ CpuSettings CurrentCpuSettings() {
 
 int64_t StreamingCacheBytes() { return LastLevelCacheBytes(); }
 
+#if JAXFUSE_TEST_HOOKS
 void ForceRegionsForTests(int64_t regions) {
   g_forced_regions.store(regions < 0 ? 0 : regions);
 }
@@ -151,6 +154,7 @@ std::vector<int64_t> ReuseDistancesForTests(
   for (const auto& c : calls) out.push_back(recent.Record(c[0], c[1], c[2]));
   return out;
 }
+#endif  // JAXFUSE_TEST_HOOKS
 
 namespace {
 
@@ -422,29 +426,13 @@ bool HaveAvx2() { return g_vector_avx2.load(std::memory_order_relaxed) && CpuHas
 
 // ---- the table: dtype x (mean, scale, residual, contract, each-op, tie, prescale)
 enum Dtype { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
-constexpr int kVariants = 128;  // 7 flag bits
 
-constexpr int VariantKey(bool mean, bool prescale, bool scale, bool residual,
-                         bool contract, bool each_op, bool tie) {
-  return (mean ? 1 : 0) | (scale ? 2 : 0) | (residual ? 4 : 0) |
-         (contract ? 8 : 0) | (each_op ? 16 : 0) | (tie ? 32 : 0) |
-         (prescale ? 64 : 0);
-}
-
-template <int K>
-using FormOf = Form<(K & 1) != 0, (K & 64) != 0, (K & 2) != 0, (K & 4) != 0,
-                    (K & 8) != 0, (K & 16) != 0>;
-
-// Keys that name a distinct kernel: a mean or a pre-scale needs a scale,
-// contraction only means something with a scale, rounding per operation only
-// for 2-byte types.
+// Keys that name a distinct kernel: valid forms (epilogue_scalar.h), with
+// rounding per operation only for 2-byte types.
 template <int D, int K>
 constexpr bool Distinct() {
-  constexpr bool mean = K & 1, scale = K & 2, contract = K & 8, each_op = K & 16;
-  constexpr bool prescale = K & 64;
   const bool narrow = D == kF16 || D == kBF16;
-  return (!mean || scale) && (!prescale || scale) && (!contract || scale) &&
-         (narrow || each_op);
+  return ValidFormKey(K) && (narrow || (K & kEachOpBit) != 0);
 }
 
 template <int D, int K>
@@ -452,8 +440,8 @@ BlockFn PickOne() {
   if constexpr (!Distinct<D, K>()) {
     return nullptr;
   } else {
-  using F = FormOf<K>;
-  constexpr bool kTie = (K & 32) != 0;
+  using F = FormOfKey<K>;
+  constexpr bool kTie = (K & kTieBit) != 0;
 #if JF_X86
   if (HaveAvx2()) {
     if constexpr (D == kF32) return &WideAvx2<F, float, kTie>;
@@ -477,7 +465,7 @@ BlockFn PickIn(int key, std::integer_sequence<int, Ks...>) {
 }
 
 BlockFn PickBlock(Dtype d, int key) {
-  auto keys = std::make_integer_sequence<int, kVariants>{};
+  auto keys = std::make_integer_sequence<int, kFormKeys>{};
   switch (d) {
     case kF32: return PickIn<kF32>(key, keys);
     case kF64: return PickIn<kF64>(key, keys);
@@ -873,9 +861,11 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
 #else
   call.stream = false;
 #endif
+#if JAXFUSE_TEST_HOOKS
   g_last_reuse.store(reuse, std::memory_order_relaxed);
   g_last_streamed.store(call.stream, std::memory_order_relaxed);
   g_last_fresh.store(fresh, std::memory_order_relaxed);
+#endif
   AdviseHugePages(call.out, out_bytes);
 
   int64_t workers = std::max<int64_t>(1, pool.num_threads());
@@ -884,7 +874,11 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
   workers = std::min<int64_t>(
       workers, total / (call.itemsize >= 4 ? kMinChunkWide : kMinChunkNarrow));
   const int64_t nchunks = (total + kChunk - 1) / kChunk;
+#if JAXFUSE_TEST_HOOKS
   const int64_t forced = g_forced_regions.load(std::memory_order_relaxed);
+#else
+  const int64_t forced = 0;
+#endif
   const int64_t nregions =
       forced > 0 ? std::min(forced, nchunks) : std::max<int64_t>(workers, 1);
   if (workers <= 1 && nregions <= 1) {
@@ -897,9 +891,11 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
   job->total = total;
   job->nchunks = nchunks;
   job->Plan(nregions);
+#if JAXFUSE_TEST_HOOKS
   g_split_calls.fetch_add(1, std::memory_order_relaxed);
   g_last_workers.store(workers, std::memory_order_relaxed);
   g_last_regions.store(nregions, std::memory_order_relaxed);
+#endif
   for (int64_t w = 1; w < workers; ++w) {
     // The task owns a reference: it may run after this handler returned, in
     // which case it finds no chunk left and touches nothing.
@@ -926,7 +922,7 @@ ffi::Error AddReluCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer a,
   const ffi::AnyBuffer* ops[2] = {&a, &b};
   const int slots[2] = {kX, kT};
   return Execute(pool, "jaxfuse_add_relu", ops, slots, 2, &*out, nullptr,
-                 VariantKey(false, false, false, false, false, true, false));
+                 FormKey(false, false, false, false, false, true, false));
 }
 
 // --- jaxfuse_epilogue: relu((((x - m) * q) * s + t) + r) [, tie] ----------
@@ -947,15 +943,17 @@ ffi::Error EpilogueCpuImpl(ffi::ThreadPool pool, ffi::RemainingArgs args,
   for (int k = 0; k < call.n; ++k) ops[k] = &call.operands[k];
   return Execute(pool, op, ops, call.slots, call.n, &call.results[0],
                  tie ? &call.results[1] : nullptr,
-                 VariantKey(mean, prescale, scale, residual, contract && scale,
-                            narrow_each_op, false));
+                 FormKey(mean, prescale, scale, residual, contract && scale,
+                         narrow_each_op, false));
 }
 
 }  // namespace
 
+#if JAXFUSE_TEST_HOOKS
 bool FreshPagesForTests(uintptr_t p, size_t bytes) {
   return FreshPages(reinterpret_cast<const void*>(p), bytes);
 }
+#endif
 
 void SetVectorPath(bool avx2) { g_vector_avx2.store(avx2); }
 

@@ -3,11 +3,10 @@
 //
 // Semantics: epilogue_scalar.h, the same scalar code as the CPU engine; the
 // platform's rounding rules (contract, narrow_each_op) arrive as attributes.
-// Validation / broadcast planning: add_relu_common.h (host side).
-//
-// Each operand is read at (i / div) % mod of the flat output index i, which
-// covers a full operand, a scalar, a bias along the last dims and a per-channel
-// vector in the middle (NCHW); any other broadcast takes the strided walk.
+// The broadcast: broadcast_cuda.cuh, as the add_relu kernel reads it. The
+// (i / div) % mod form covers a full operand, a scalar, a bias along the last
+// dims and a per-channel vector in the middle (NCHW); any other broadcast
+// takes the strided walk.
 // The handler only validates on the host and launches one kernel on XLA's
 // stream: no sync, no allocation, so it is command-buffer compatible.
 #include <cuda_runtime.h>
@@ -15,7 +14,8 @@
 #include <cstdint>
 #include <string>
 
-#include "add_relu_common.h"
+#include "broadcast.h"
+#include "broadcast_cuda.cuh"
 #include "epilogue_ffi.h"
 #include "epilogue_scalar.h"
 #include "xla/ffi/api/ffi.h"
@@ -27,7 +27,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 8192;  // grid-stride beyond that
-constexpr int kMaxDeviceRank = 24;    // collapsed dims of the strided walk
 
 
 struct Operand {
@@ -38,24 +37,15 @@ struct Operand {
 struct Params {
   Operand op[kSlots];
   bool present[kSlots];
-  bool strided;       // use the general walk below
-  int rank;
-  int64_t dims[kMaxDeviceRank];
-  int64_t strides[kSlots][kMaxDeviceRank];
-  int flags;  // bit 0 mean, 1 scale, 2 residual, 3 contract, 4 prescale, 5 each-op
+  bool strided;       // use the strided walk
+  DeviceShape shape;
+  DeviceStrides strides[kSlots];
+  int key;            // FormKey (epilogue_scalar.h), without the tie bit
   int64_t total;
 };
 
 __device__ __forceinline__ int64_t Offset(const Params& p, int k, int64_t i) {
-  if (p.strided) {
-    int64_t rem = i, off = 0;
-    for (int d = p.rank - 1; d >= 0; --d) {
-      const int64_t c = rem % p.dims[d];
-      rem /= p.dims[d];
-      off += c * p.strides[k][d];
-    }
-    return off;
-  }
+  if (p.strided) return StridedOffset(p.shape, p.strides[k], i);
   const Operand& o = p.op[k];
   if (o.mod == 1) return 0;
   if (o.div == 1 && o.mod == p.total) return i;
@@ -79,24 +69,29 @@ __device__ __forceinline__ S One(Tag tag, S x, S m, S q, S s, S t, S r,
   }
 }
 
-// Every valid form: without a scale there is no mean, pre-scale or
-// contraction (keys 0 and 4); with one, any of them.
+// Every valid form (ValidFormKey): without a scale only the residual; with
+// one, any of mean, pre-scale, residual and contraction.
 template <bool EachOp, class S, class Tag>
-__device__ __forceinline__ S Apply(int flags, Tag tag, S x, S m, S q, S s,
-                                   S t, S r, bool* z) {
-  switch (flags & 31) {
-#define JF_CASE(K)                                                          \
-  case K:                                                                   \
-    return One<Form<(K & 1) != 0, (K & 16) != 0, (K & 2) != 0,              \
-                    (K & 4) != 0, (K & 8) != 0, EachOp>>(tag, x, m, q, s, t, \
-                                                         r, z);
-    JF_CASE(0) JF_CASE(4) JF_CASE(2) JF_CASE(3) JF_CASE(6) JF_CASE(7)
-    JF_CASE(10) JF_CASE(11) JF_CASE(14) JF_CASE(15) JF_CASE(18) JF_CASE(19)
-    JF_CASE(22) JF_CASE(23) JF_CASE(26) JF_CASE(27) JF_CASE(30) JF_CASE(31)
+__device__ __forceinline__ S Apply(int key, Tag tag, S x, S m, S q, S s, S t,
+                                   S r, bool* z) {
+  switch (key & ~(kEachOpBit | kTieBit)) {
+#define JF_CASE(K)                                                         \
+  case K:                                                                  \
+    static_assert(ValidFormKey(K), "not a form");                          \
+    return One<FormOfKey<(K) | (EachOp ? kEachOpBit : 0)>>(tag, x, m, q, s, \
+                                                            t, r, z);
+#define JF_SCALED(K)                                                 \
+  JF_CASE(kScaleBit | (K)) JF_CASE(kScaleBit | (K) | kMeanBit)       \
+  JF_CASE(kScaleBit | (K) | kPrescaleBit)                            \
+  JF_CASE(kScaleBit | (K) | kMeanBit | kPrescaleBit)
+    JF_CASE(0) JF_CASE(kResidualBit)
+    JF_SCALED(0) JF_SCALED(kResidualBit) JF_SCALED(kContractBit)
+    JF_SCALED(kResidualBit | kContractBit)
+#undef JF_SCALED
 #undef JF_CASE
     default:
-      return One<Form<false, false, false, false, false, EachOp>>(
-          tag, x, m, q, s, t, r, z);
+      return One<FormOfKey<EachOp ? kEachOpBit : 0>>(tag, x, m, q, s, t, r,
+                                                      z);
   }
 }
 
@@ -106,14 +101,14 @@ template <class S, class Tag>
 __global__ void EpilogueKernel(Params p, S* __restrict__ out,
                                bool* __restrict__ tie) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const bool each_op = (p.flags & 32) != 0;
+  const bool each_op = (p.key & kEachOpBit) != 0;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.total;
        i += stride) {
     S x = Get<S>(p, kX, i), m = Get<S>(p, kM, i), q = Get<S>(p, kQ, i);
     S s = Get<S>(p, kS, i), t = Get<S>(p, kT, i), r = Get<S>(p, kR, i);
     bool z;
-    out[i] = each_op ? Apply<true>(p.flags, Tag{}, x, m, q, s, t, r, &z)
-                     : Apply<false>(p.flags, Tag{}, x, m, q, s, t, r, &z);
+    out[i] = each_op ? Apply<true>(p.key, Tag{}, x, m, q, s, t, r, &z)
+                     : Apply<false>(p.key, Tag{}, x, m, q, s, t, r, &z);
     if (tie != nullptr) tie[i] = z;
   }
 }
@@ -123,31 +118,6 @@ int Blocks(int64_t work) {
   if (blocks < 1) blocks = 1;
   if (blocks > kMaxBlocks) blocks = kMaxBlocks;
   return static_cast<int>(blocks);
-}
-
-// (i / div) % mod for operand k, when its varying collapsed dims are one
-// contiguous block; false otherwise.
-bool DivMod(const Collapsed& c, int k, int64_t* div, int64_t* mod) {
-  const int r = static_cast<int>(c.dims.size());
-  int first = -1, last = -1;
-  for (int d = 0; d < r; ++d) {
-    if (c.full[d] >> k & 1u) {
-      if (first < 0) first = d;
-      else if (last != d - 1) return false;
-      last = d;
-    }
-  }
-  if (first < 0) {
-    *div = 1;
-    *mod = 1;
-    return true;
-  }
-  int64_t inner = 1, block = 1;
-  for (int d = last + 1; d < r; ++d) inner *= c.dims[d];
-  for (int d = first; d <= last; ++d) block *= c.dims[d];
-  *div = inner;
-  *mod = block;
-  return true;
 }
 
 ffi::Error EpilogueCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
@@ -198,9 +168,8 @@ ffi::Error EpilogueCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
   if (c.total == 0) return ffi::Error::Success();
   Params p{};
   p.total = c.total;
-  p.flags = (mean ? 1 : 0) | (scale ? 2 : 0) | (residual ? 4 : 0) |
-            (contract && scale ? 8 : 0) | (prescale ? 16 : 0) |
-            (narrow_each_op ? 32 : 0);
+  p.key = FormKey(mean, prescale, scale, residual, contract && scale,
+                  narrow_each_op, false);
   p.strided = false;
   for (int k = 0; k < n; ++k) {
     const int slot = slots[k];
@@ -209,18 +178,8 @@ ffi::Error EpilogueCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
     if (!DivMod(c, k, &p.op[slot].div, &p.op[slot].mod)) p.strided = true;
   }
   if (p.strided) {
-    const int r = static_cast<int>(c.dims.size());
-    if (r > kMaxDeviceRank) {
-      return ffi::Error::InvalidArgument(
-          std::string(op) + ": broadcast with " + std::to_string(r) +
-          " dimension groups after merging (max " +
-          std::to_string(kMaxDeviceRank) + ")");
-    }
-    p.rank = r;
-    for (int d = 0; d < r; ++d) p.dims[d] = c.dims[d];
-    for (int k = 0; k < n; ++k) {
-      for (int d = 0; d < r; ++d) p.strides[slots[k]][d] = c.strides[k][d];
-    }
+    if (ffi::Error e = ToDeviceShape(op, c, &p.shape); e.failure()) return e;
+    for (int k = 0; k < n; ++k) ToDeviceStrides(c, k, &p.strides[slots[k]]);
   }
   void* o = out_buf.untyped_data();
   const int blocks = Blocks(c.total);

@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "add_relu_common.h"
+#include "broadcast.h"
 #include "epilogue_scalar.h"
 #include "xla/ffi/api/ffi.h"
 

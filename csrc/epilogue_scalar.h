@@ -48,6 +48,40 @@ struct Form {
   static constexpr bool kNarrowEachOp = NarrowEachOp;
 };
 
+// A form as one integer key, a bit per term: the CPU kernel table and the
+// CUDA kernel's switch both index by it.
+enum FormBit : int {
+  kMeanBit = 1,
+  kScaleBit = 2,
+  kResidualBit = 4,
+  kContractBit = 8,
+  kEachOpBit = 16,
+  kTieBit = 32,
+  kPrescaleBit = 64,
+};
+constexpr int kFormKeys = 128;
+
+JF_HD constexpr int FormKey(bool mean, bool prescale, bool scale, bool residual,
+                            bool contract, bool each_op, bool tie) {
+  return (mean ? kMeanBit : 0) | (scale ? kScaleBit : 0) |
+         (residual ? kResidualBit : 0) | (contract ? kContractBit : 0) |
+         (each_op ? kEachOpBit : 0) | (tie ? kTieBit : 0) |
+         (prescale ? kPrescaleBit : 0);
+}
+
+// The form a key names (the tie bit is not part of the arithmetic).
+template <int K>
+using FormOfKey = Form<(K & kMeanBit) != 0, (K & kPrescaleBit) != 0,
+                       (K & kScaleBit) != 0, (K & kResidualBit) != 0,
+                       (K & kContractBit) != 0, (K & kEachOpBit) != 0>;
+
+// Whether a key names a form with a meaning: a mean, a pre-scale or
+// contraction only with a scale.
+JF_HD constexpr bool ValidFormKey(int k) {
+  const bool scale = (k & kScaleBit) != 0;
+  return scale || (k & (kMeanBit | kPrescaleBit | kContractBit)) == 0;
+}
+
 // Operand slots of jaxfuse_epilogue, in the order its handlers receive the
 // operands present (the lowering passes them in this order).
 enum Slot { kX = 0, kM = 1, kQ = 2, kS = 3, kT = 4, kR = 5, kSlots = 6 };

@@ -19,7 +19,8 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
-def _warn(name: str, value: str, expected: str, default) -> None:
+def warn_invalid(name: str, value: str, expected: str, default) -> None:
+    """The warning for a switch set to something it does not take."""
     warnings.warn(f"jaxfuse: ignoring {name}={value!r}: expected {expected}; using {default!r}",
                   RuntimeWarning, stacklevel=3)
 
@@ -33,7 +34,7 @@ def flag(name: str, default: bool, environ=os.environ) -> bool:
         return True
     if v in _FALSE:
         return False
-    _warn(name, raw, "1/0, true/false, yes/no or on/off", default)
+    warn_invalid(name, raw, "1/0, true/false, yes/no or on/off", default)
     return default
 
 
@@ -56,7 +57,7 @@ def bounded(name: str, default: int, limit: int, environ=os.environ) -> int:
     v = _integer(raw.strip())
     if v is not None and v < limit:
         return v
-    _warn(name, raw, f"an integer from 0 to {limit - 1}", default)
+    warn_invalid(name, raw, f"an integer from 0 to {limit - 1}", default)
     return default
 
 
@@ -65,7 +66,9 @@ def count(name: str, default: int, maximum: int, environ=os.environ) -> int:
     return bounded(name, default, maximum + 1, environ)
 
 
-CUDA_VARIANTS = 4  # kernel variants csrc/add_relu_cuda.cu knows
+# A variant number is checked against the kernel's own count when the CUDA
+# module loads (_kernels.configure_cuda); here only that it is a small integer.
+_VARIANT_NUMBERS = 1 << 8
 
 
 def choice(name: str, default: str, options: tuple[str, ...], environ=os.environ) -> str:
@@ -75,7 +78,7 @@ def choice(name: str, default: str, options: tuple[str, ...], environ=os.environ
     v = raw.strip().lower()
     if v in options:
         return v
-    _warn(name, raw, " or ".join(options), default)
+    warn_invalid(name, raw, " or ".join(options), default)
     return default
 
 
@@ -101,9 +104,10 @@ class Settings:
     every element, and forced streaming lost there. The measurements behind
     these rules: bench/results/cpu-streaming-2026-12-01.txt."""
     cuda_variant: int = 0
-    """JAXFUSE_CUDA_VARIANT: which add+ReLU CUDA kernel variant runs (0-3, see
-    csrc/add_relu_cuda.cu); 0, the one validated on an H200, unless a
-    measurement (bench/probes/cuda_variants.py) picks another."""
+    """JAXFUSE_CUDA_VARIANT: which add+ReLU CUDA kernel variant runs (see
+    csrc/add_relu_cuda.cu; `jaxfuse._kernels.limits("cuda")["variants"]`);
+    0, the one validated on an H200, unless a measurement
+    (bench/probes/cuda_variants.py) picks another."""
 
 
 def read(environ=os.environ) -> Settings:
@@ -113,7 +117,7 @@ def read(environ=os.environ) -> Settings:
         huge_pages=not flag("JAXFUSE_NO_MADVISE", False, environ),
         cpu_max_threads=count("JAXFUSE_CPU_MAX_THREADS", 0, MAX_THREADS, environ),
         cpu_streaming={"1": "on", "0": "off"}.get(streaming, streaming),
-        cuda_variant=bounded("JAXFUSE_CUDA_VARIANT", 0, CUDA_VARIANTS, environ),
+        cuda_variant=bounded("JAXFUSE_CUDA_VARIANT", 0, _VARIANT_NUMBERS, environ),
     )
 
 

@@ -25,6 +25,7 @@ _MODULES = {"cpu": ("_cpu_kernels", "cpu"), "cuda": ("_cuda_kernels", "CUDA")}
 _registered: dict[str, bool] = {}
 _why_not: dict[str, str] = {}
 _modules: dict[str, object] = {}
+_limits: dict[str, dict[str, int]] = {}
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -99,10 +100,38 @@ def configure_cuda(settings: _env.Settings) -> None:
 
     The variant is read at launch, not at compile time, so changing it between
     calls of a compiled program changes which kernel runs without recompiling.
+    One the kernel does not have is refused with a warning naming the
+    variable, and the default runs.
     """
     module = _modules.get("cuda")
-    if module is not None:
-        module.configure(settings.cuda_variant)
+    if module is None:
+        return
+    variants = module.limits()["variants"]
+    variant = settings.cuda_variant
+    if variant >= variants:
+        _env.warn_invalid("JAXFUSE_CUDA_VARIANT", str(variant),
+                          f"an integer from 0 to {variants - 1} (the kernel's variants)", 0)
+        variant = 0
+    module.configure(variant)
+
+
+def limits(platform: str) -> dict[str, int]:
+    """The kernels' limits on `platform`, as the native module states them
+    (csrc/kernel_limits.h): `max_rank` (output rank), on CUDA also
+    `max_device_rank` (collapsed broadcast dims) and `variants`. Empty where
+    no kernel is built: there the fused ops lower to XLA's own ops, which have
+    none of these limits."""
+    if platform not in _limits:
+        register_all()
+        module = _modules.get(platform)
+        _limits[platform] = dict(module.limits()) if module is not None else {}
+    return _limits[platform]
+
+
+def test_hooks() -> bool:
+    """Whether the CPU module was built with its test hooks (JAXFUSE_TEST_HOOKS=ON)."""
+    register_all()
+    return bool(getattr(_modules.get("cpu"), "test_hooks", False))
 
 
 def register_all() -> None:

@@ -29,10 +29,6 @@ DISABLE_KERNELS = C.jit_key_flag(
 
 _warned: set[str] = set()
 
-# Collapsed broadcast ranks the CUDA kernels take (csrc/*_cuda.cu); beyond
-# them a site lowers to XLA's own ops there.
-_CUDA_MAX_RANK = {"jaxfuse_add_relu": 16, "jaxfuse_epilogue": 24}
-
 # Output bytes from which a CPU call is paced (`_paced`).
 _CPU_PACING_MIN_OUTPUT_BYTES = 512 << 10
 
@@ -76,11 +72,13 @@ def _why_not_kernel(platform: str) -> str | None:
     return None
 
 
-def _fits_device(ctx, platform, target) -> bool:
-    if platform != "cuda":
-        return True
+def _fits_kernel(ctx, platform) -> bool:
+    """Whether the site is within the kernel's limits on `platform`, as the
+    native module states them (`_kernels.limits`); beyond them it lowers to
+    XLA's own ops. The output rank bounds the collapsed broadcast's dims."""
+    limits = _kernels.limits(platform)
     rank = len(ctx.avals_out[0].shape)
-    return rank <= _CUDA_MAX_RANK[target]
+    return rank <= min(limits.get("max_rank", rank), limits.get("max_device_rank", rank))
 
 
 def _paced(platform: str, avals_in, avals_out, pace=None) -> bool:
@@ -127,7 +125,7 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
             if why != "kernels disabled":
                 _warn_fallback(ctx, platform, why)
             return reference(ctx, *args, **params)
-        if not _fits_device(ctx, platform, target) or _rounds_by_position(ctx, platform, params):
+        if not _fits_kernel(ctx, platform) or _rounds_by_position(ctx, platform, params):
             return reference(ctx, *args, **params)
         if _cost.platform_reason(facts, platform) is not None:
             # The pass recorded this site; on this platform XLA's own fusion of it wins.

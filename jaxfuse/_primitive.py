@@ -47,7 +47,6 @@ from . import _compat as C
 SERVED_DTYPES = tuple(
     np.dtype(d) for d in (np.float32, np.float64, jax.numpy.float16, jax.numpy.bfloat16)
 )
-MAX_RANK = 64  # the native plan's limit (csrc/add_relu_common.h)
 
 # The two conventions a matched ReLU can carry.
 RELU_GRAD_AT_ZERO = 0.0  # jax.nn.relu: select(x > 0, g, 0)
@@ -86,8 +85,6 @@ def check_broadcast(op: str, operands) -> tuple[int, ...]:
         raise ValueError(f"{op}: operands must have equal rank (size-1 broadcasting only), got "
                          f"shapes {' and '.join(map(str, shapes))}; use jaxfuse.add_relu for "
                          f"numpy-style rank promotion")
-    if rank > MAX_RANK:
-        raise ValueError(f"{op}: rank {rank} exceeds the kernels' limit of {MAX_RANK}")
     out = []
     for i in range(rank):
         sizes = {s[i] for s in ranked} - {1}

@@ -115,7 +115,7 @@ def test_environment_switches_parse(name, value, expected):
     ("JAXFUSE_CPU_MAX_THREADS", "abc"), ("JAXFUSE_CPU_MAX_THREADS", "-1"),
     ("JAXFUSE_CPU_MAX_THREADS", "1.5"), ("JAXFUSE_DISABLE_KERNELS", "maybe"),
     ("JAXFUSE_NO_MADVISE", "2"), ("JAXFUSE_CPU_STREAMING", "sometimes"),
-    ("JAXFUSE_CUDA_VARIANT", "4"), ("JAXFUSE_CUDA_VARIANT", "fast"),
+    ("JAXFUSE_CUDA_VARIANT", "-1"), ("JAXFUSE_CUDA_VARIANT", "fast"),
 ])
 def test_environment_garbage_warns_with_name_and_value(name, value):
     with pytest.warns(RuntimeWarning) as caught:
@@ -150,11 +150,48 @@ def test_cuda_module_receives_the_variant_without_a_gpu():
     try:
         module.configure(3)
         assert module.settings()["variant"] == 3
-        with pytest.raises(ValueError, match="0-3"):
-            module.configure(_env.CUDA_VARIANTS)
+        variants = module.limits()["variants"]
+        with pytest.raises(ValueError, match=f"0-{variants - 1}"):
+            module.configure(variants)
         assert module.settings()["variant"] == 3
     finally:
         module.configure(before)
+
+
+def test_a_variant_the_cuda_kernel_lacks_warns_and_runs_the_default(monkeypatch):
+    try:
+        import jaxfuse._cuda_kernels as module
+    except ImportError:
+        pytest.skip("the CUDA module is not built here (it is built where nvcc is found; JAXFUSE_CUDA=ON forces it)")
+    monkeypatch.setitem(_kernels._modules, "cuda", module)
+    before = module.settings()["variant"]
+    variants = module.limits()["variants"]
+    try:
+        module.configure(variants - 1)
+        with pytest.warns(RuntimeWarning, match=f"JAXFUSE_CUDA_VARIANT='{variants}'"):
+            _kernels.configure_cuda(_env.read({"JAXFUSE_CUDA_VARIANT": str(variants)}))
+        assert module.settings()["variant"] == 0
+    finally:
+        module.configure(before)
+
+
+@pytest.mark.skipif(not jaxfuse.kernels()["cpu"], reason="needs the CPU kernel")
+def test_the_rank_limit_is_the_modules_and_a_site_beyond_it_lowers_to_xla(monkeypatch, rng):
+    limits = _kernels.limits("cpu")
+    assert limits == _kernels._modules["cpu"].limits() and limits["max_rank"] >= 8
+
+    def lowered(shape):
+        a = rng.standard_normal(shape).astype(np.float32)
+        b = rng.standard_normal(shape[-1:]).astype(np.float32).reshape((1,) * (len(shape) - 1) + shape[-1:])
+        f = jax.jit(lambda a, b: jaxfuse.add_relu(a, b))
+        got = f(a, b)
+        np.testing.assert_array_equal(np.asarray(got), np.maximum(a + b, 0))
+        return "jaxfuse_add_relu" in f.lower(a, b).as_text()
+
+    assert lowered((3, 5, 7))
+    monkeypatch.setitem(_kernels._limits, "cpu", {"max_rank": 2})
+    assert not lowered((3, 5, 9))  # rank 3 > 2: XLA's own ops, the same values
+    assert lowered((5, 11))
 
 
 def test_kernels_reports_where_a_kernel_can_run_now():

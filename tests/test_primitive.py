@@ -15,7 +15,7 @@ import pytest
 from jax import lax
 
 import jaxfuse
-from jaxfuse import _lowering
+from jaxfuse import _kernels, _lowering
 from jaxfuse._primitive import add_relu_p
 
 from conftest import assert_bitwise_equal, random_operand, skip_without_float16
@@ -100,10 +100,12 @@ def test_large_array_uses_all_paths(rng):
     assert_bitwise_equal(jax.jit(jaxfuse.add_relu)(m, bias), reference(m, bias))
 
 
+NEEDS_HOOKS = ("needs the CPU kernel built with its test hooks (JAXFUSE_TEST_HOOKS=ON, as "
+               "README's test command builds it)")
 CHUNK = 1 << 16  # elements per claim in the CPU kernel (csrc/epilogue_cpu.cc, kChunk)
 
 
-@pytest.mark.skipif(not jaxfuse.kernels()["cpu"], reason="needs the CPU kernel")
+@pytest.mark.skipif(not _kernels.test_hooks(), reason=NEEDS_HOOKS)
 @pytest.mark.parametrize("threads,regions", [(0, 0), (0, 3), (0, 7), (1, 2), (1, 5)],
                          ids=["pool", "pool-3regions", "pool-7regions", "caller-alone-2regions",
                               "caller-alone-5regions"])
@@ -161,7 +163,7 @@ def test_work_split_gets_every_element_right(rng, threads, regions, streaming):
         module.configure(before["max_threads"], before["huge_pages"], before["streaming"])
 
 
-@pytest.mark.skipif(not jaxfuse.kernels()["cpu"], reason="needs the CPU kernel")
+@pytest.mark.skipif(not _kernels.test_hooks(), reason=NEEDS_HOOKS)
 @pytest.mark.parametrize("dtype,per_worker", [(np.float32, 2 * CHUNK), (np.float64, 2 * CHUNK),
                                               (jnp.bfloat16, CHUNK), (jnp.float16, CHUNK)],
                          ids=["float32", "float64", "bfloat16", "float16"])
@@ -189,7 +191,7 @@ def test_a_helper_is_asked_only_for_enough_elements(rng, dtype, per_worker):
 MIB = 1 << 20
 
 
-@pytest.mark.skipif(not jaxfuse.kernels()["cpu"], reason="needs the CPU kernel")
+@pytest.mark.skipif(not _kernels.test_hooks(), reason=NEEDS_HOOKS)
 def test_reuse_distance_counts_bytes_since_the_output_was_written():
     """The tracker behind JAXFUSE_CPU_STREAMING=auto (csrc/output_reuse.h)
     on the patterns XLA's allocator produces: the same buffer every call, two
@@ -220,7 +222,7 @@ def test_reuse_distance_counts_bytes_since_the_output_was_written():
     assert distances([(a, 0, 0), (a, 0, 0)]) == [-1, -1]  # empty outputs overlap nothing
 
 
-@pytest.mark.skipif(not jaxfuse.kernels()["cpu"], reason="needs the CPU kernel")
+@pytest.mark.skipif(not _kernels.test_hooks(), reason=NEEDS_HOOKS)
 def test_auto_streams_only_outputs_written_well_over_a_cache_ago():
     from jaxfuse import _kernels
 
@@ -234,7 +236,7 @@ def test_auto_streams_only_outputs_written_well_over_a_cache_ago():
     assert not should_stream(-1, 0, cache)
 
 
-@pytest.mark.skipif(not jaxfuse.kernels()["cpu"], reason="needs the CPU kernel")
+@pytest.mark.skipif(not _kernels.test_hooks(), reason=NEEDS_HOOKS)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the probe is mincore(2)")
 def test_auto_finds_pages_not_yet_faulted_in():
     """auto never streams into memory fresh from the operating system: the

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--sizes", default="24,27", help="log2 element counts")
-    p.add_argument("--variants", default=",".join(str(v) for v in range(_env.CUDA_VARIANTS)))
+    p.add_argument("--variants", default=",".join(str(v) for v in range(_kernels.limits("cuda").get("variants", 1))))
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

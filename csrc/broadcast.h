@@ -1,12 +1,15 @@
-// jaxfuse: host-side validation and broadcast planning shared by the CPU and
-// CUDA handlers of `jaxfuse_add_relu`.
-#ifndef JAXFUSE_ADD_RELU_COMMON_H_
-#define JAXFUSE_ADD_RELU_COMMON_H_
+// jaxfuse: the host side of every handler's broadcast (CPU and CUDA, both
+// ops): dtype and shape names for messages, and the N-operand broadcast
+// collapsed to its essentials (Collapse), which each platform then walks its
+// own way.
+#ifndef JAXFUSE_BROADCAST_H_
+#define JAXFUSE_BROADCAST_H_
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "kernel_limits.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxfuse {
@@ -62,23 +65,6 @@ inline bool SupportedDtype(ffi::DataType t) {
          t == ffi::DataType::F16 || t == ffi::DataType::BF16;
 }
 
-// Validates dtypes: all three equal and one of F32, F64, F16, BF16.
-inline ffi::Error CheckDtypes(ffi::DataType a, ffi::DataType b,
-                              ffi::DataType out) {
-  if (a != b || a != out) {
-    return ffi::Error::InvalidArgument(
-        "jaxfuse_add_relu: operand and result dtypes must match, got a=" +
-        DtypeString(a) + ", b=" + DtypeString(b) + ", out=" +
-        DtypeString(out));
-  }
-  if (!SupportedDtype(a)) {
-    return ffi::Error::InvalidArgument(
-        "jaxfuse_add_relu: unsupported dtype " + DtypeString(a) +
-        " (supported: float32, float64, float16, bfloat16)");
-  }
-  return ffi::Error::Success();
-}
-
 // The broadcast of N operands to one output, reduced to its essentials.
 //
 // Output dims of size 1 are dropped; adjacent dims that every operand
@@ -86,8 +72,6 @@ inline ffi::Error CheckDtypes(ffi::DataType a, ffi::DataType b,
 // and, per operand, element strides over them (0 where it is broadcast). Each
 // operand has the output's rank, or rank 0 (a scalar, read as all-1 dims), and
 // every operand dim equals the output dim or is 1.
-constexpr int kMaxOperands = 6;
-constexpr int kMaxRank = 64;  // the Python layer never fuses a higher rank
 
 struct Collapsed {
   int operands = 0;
@@ -168,74 +152,33 @@ inline ffi::Error Collapse(const char* op, const ffi::Span<const int64_t>* dims,
   return ffi::Error::Success();
 }
 
-// The two-operand special cases the CUDA add_relu kernel has fast paths for.
-struct BroadcastPlan {
-  enum Kind {
-    kEmpty,    // zero elements: touch nothing
-    kSame,     // a, b, out all the same size: flat loop
-    kScalarB,  // a full, b a single element
-    kScalarA,  // b full, a a single element
-    kScalars,  // both single elements, output a fill
-    kBiasB,    // b is a trailing-dims bias: b[i % inner]
-    kBiasA,    // a is a trailing-dims bias: a[i % inner]
-    kGeneral,  // anything else: strided walk
-  };
-  Kind kind = kEmpty;
-  int64_t total = 0;   // output element count
-  int64_t inner = 0;   // bias length for kBiasA / kBiasB
-  std::vector<int64_t> dims, a_strides, b_strides;  // collapsed
-};
-
-inline ffi::Error MakeBroadcastPlan(ffi::Span<const int64_t> a_dims,
-                                    ffi::Span<const int64_t> b_dims,
-                                    ffi::Span<const int64_t> out,
-                                    BroadcastPlan* plan) {
-  const ffi::Span<const int64_t> dims[2] = {a_dims, b_dims};
-  Collapsed c;
-  if (ffi::Error e = Collapse("jaxfuse_add_relu", dims, 2, out, &c);
-      e.failure()) {
-    return e;
+// Operand k's offset for output element i as (i / div) % mod, when the dims
+// it varies in are one contiguous block of the collapsed dims (a full
+// operand: div 1, mod total; a scalar: mod 1; a trailing bias: div 1); false
+// when they are not, and the operand needs a strided walk.
+inline bool DivMod(const Collapsed& c, int k, int64_t* div, int64_t* mod) {
+  const int r = static_cast<int>(c.dims.size());
+  int first = -1, last = -1;
+  for (int d = 0; d < r; ++d) {
+    if (c.full[d] >> k & 1u) {
+      if (first < 0) first = d;
+      else if (last != d - 1) return false;
+      last = d;
+    }
   }
-  plan->total = c.total;
-  plan->dims = c.dims;
-  plan->a_strides = c.strides[0];
-  plan->b_strides = c.strides[1];
-  using K = BroadcastPlan;
-  const size_t r = c.dims.size();
-  const std::vector<uint32_t>& pat = c.full;
-  if (c.total == 0) {
-    plan->kind = K::kEmpty;
-  } else if (r == 0) {
-    plan->kind = K::kScalars;  // a single element
-  } else if (r == 1) {
-    static const K::Kind k1[4] = {K::kScalars, K::kScalarB, K::kScalarA,
-                                  K::kSame};
-    plan->kind = k1[pat[0]];
-  } else if (r == 2 && pat[1] == 3 && pat[0] == 1) {
-    plan->kind = K::kBiasB;
-    plan->inner = c.dims[1];
-  } else if (r == 2 && pat[1] == 3 && pat[0] == 2) {
-    plan->kind = K::kBiasA;
-    plan->inner = c.dims[1];
-  } else {
-    plan->kind = K::kGeneral;
+  if (first < 0) {
+    *div = 1;
+    *mod = 1;
+    return true;
   }
-  return ffi::Error::Success();
-}
-
-// Everything the add_relu handlers check before touching memory, the same on
-// CPU and CUDA: dtypes, then shapes, then the broadcast plan.
-inline ffi::Error PlanCall(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
-                           const ffi::AnyBuffer& out, BroadcastPlan* plan) {
-  if (ffi::Error e = CheckDtypes(a.element_type(), b.element_type(),
-                                 out.element_type());
-      e.failure()) {
-    return e;
-  }
-  return MakeBroadcastPlan(a.dimensions(), b.dimensions(), out.dimensions(),
-                           plan);
+  int64_t inner = 1, block = 1;
+  for (int d = last + 1; d < r; ++d) inner *= c.dims[d];
+  for (int d = first; d <= last; ++d) block *= c.dims[d];
+  *div = inner;
+  *mod = block;
+  return true;
 }
 
 }  // namespace jaxfuse
 
-#endif  // JAXFUSE_ADD_RELU_COMMON_H_
+#endif  // JAXFUSE_BROADCAST_H_
