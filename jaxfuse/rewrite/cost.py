@@ -208,35 +208,31 @@ PLATFORMS = {
                       "float16": 1 << 18},
         folds_dot_epilogue=False, folds_conv_epilogue=False, transposes_nchw_conv=True,
         source="bench/results/thresholds-cpu-2026-12-01.txt",
-        # Seen in XLA:CPU's optimized HLO (jax 0.10): a bfloat16 convolution is
-        # convert -> f32 YNNPACK conv, and the convert back fuses into the
-        # BatchNorm+ReLU loop, which writes float32 for the next conv. A custom
-        # call needs the bfloat16 value written, then converted again: 1.03-1.04x
-        # XLA's time in the benchmark's resnet_block and training steps.
+        # XLA:CPU computes a bfloat16 convolution in float32 (convert -> f32
+        # YNNPACK conv) and fuses the convert back into the BatchNorm+ReLU
+        # loop, which writes float32 for the next conv; a custom call needs
+        # the bfloat16 value written, then converted again, which loses
+        # (bench/results/cpu-models-probe-2026-12-02.json).
         narrow_matmuls_in_f32=True,
-        # relu(a + b) of two full operands: 2^22 elements never lost in a
-        # threshold run and read 0.82-0.97x XLA's time in five benchmark runs
-        # (bench/results/notes/2026-12-01-to-02.md); the other forms there keep 2^23 (the
-        # folded BatchNorm read 1.06 LOSES once at 2^22).
+        # relu(a + b) of two full operands pays from 2^22 elements; the other
+        # forms keep 2^23, where none lost (bench/results/notes/2026-12-01-to-02.md).
         form_min_elements={("plain", "float32"): 1 << 22},
         conv_bands=(*(
             ConvBand(form, "float32", channels, low, 1 << 22)
             for form in ("scale_shift", "batchnorm", "residual")
             for channels, low in ((1, 1 << 17), (128, 1 << 14))),
-            # After a convolution, relu(conv + y) and relu(conv + bias) lost
-            # at 2^21-2^22 in the single-block program: they keep the float32
-            # threshold, 2^23, with no upper end measured.
+            # After a convolution, relu(conv + y) and relu(conv + bias) keep
+            # the float32 threshold, 2^23 (below it they lost), with no upper end.
             *(ConvBand(form, "float32", 0, 1 << 23) for form in ("plain", "bias"))),
         conv_source="bench/results/thresholds-forms-cpu-2026-12-02.txt",
         isa_levels=("avx2", "avx512"),
         isa_min_elements={("avx512", "float16"): None},
         isa_source="AVX-512 hosts: XLA's float16 loop beat the kernel "
                    "(bench/results/cpu-avx512-ops-2026-12-03.json)"),
-    # Measured on an H200 (jax 0.11.2, at 76b89bd): the CUDA add+ReLU kernel took
-    # 0.98-1.09x XLA's time for float32/bfloat16 at 2^24..2^28 (ahead only for
-    # the bfloat16 bias form), so on CUDA no size pays yet: auto leaves every
-    # site to XLA there until a measurement says otherwise (policy="measure"
-    # times the kernel on the device itself).
+    # On CUDA no size pays yet: in the H200 run recorded in bench/results the
+    # add+ReLU kernel was ahead of XLA's fusion only in the bfloat16 bias form,
+    # so auto leaves every site to XLA there until a measurement says otherwise
+    # (policy="measure" times the kernel on the device itself).
     "cuda": PlatformFacts(
         min_elements={"float32": None, "float64": None, "float16": None, "bfloat16": None},
         folds_dot_epilogue=True, folds_conv_epilogue=True, transposes_nchw_conv=False,

@@ -4,7 +4,8 @@ XLA:CPU hands convolutions, dots and reductions to YNNPACK and grows each such
 library fusion over the elementwise ops, convolutions and reductions around
 it (`LibraryRewriter` in XLA). A network of convolutions and BatchNorms that
 ends in a mean can become one such fusion; a custom call in its middle splits
-it (measured: a two-block haiku ResNet 1.7x slower). Which sites XLA takes in
+it, and the split program can be much slower (bench/results/notes/2026-12-01-to-02.md,
+the two-block haiku ResNet). Which sites XLA takes in
 depends on its own passes, so it is not guessed from the jaxpr: after the
 rewrite, the program is compiled once with each site a conv band fused
 (`SiteFacts.probe`) lowered to XLA's own ops under a name of its own, and a
@@ -80,7 +81,7 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
     `closed`: probe its conv-band sites and settle those XLA fuses with their
     neighbours. Giving them back keeps XLA's library fusion, which is not
     always the faster program (splitting the one XLA grows over a ResNet-50's
-    last blocks and classifier measured 0.87x its time), so the two programs
+    last blocks and classifier can win; bench/results/README.md), so the two programs
     are timed (`tuning.choose_among`, remembered on disk per program and
     device) when `time_it` and the program can be run on stand-in data;
     otherwise, or when a stored decision is not found by `explain`, they go
