@@ -193,6 +193,25 @@ def test_declined_reason_labels_the_edge_to_the_second_reader(declined_report):
         assert not labelled(pic, "jaxfuse_add_relu")
 
 
+def exp_add_relu(x, y):
+    return jax.nn.relu(jnp.exp(x) + y)
+
+
+def test_declined_reason_labels_the_edge_from_the_producer_xla_would_fuse():
+    report = jaxfuse.explain(exp_add_relu, X, X, policy="auto", platform="cpu")
+    (site,) = report.sites
+    assert not site.fused and "comes from a `exp` that XLA fuses" in site.reason
+    pic = report.graph("before")
+    assert_well_formed(pic.dot)
+    edges = dot_edges(pic.dot)
+    exp, add = one(labelled(pic, "exp")), one(labelled(pic, "add"))
+    assert [(e.src, e.dst) for e in pic.edges if e.label] == [(exp, add)]
+    assert edges[(exp, add)]["label"] == dot_label(textwrap.fill(site.reason, 38))
+    assert edges[(exp, add)]["color"] == DECLINED_LINE
+    assert pic.nodes[exp].status == "culprit" and pic.nodes[add].status == DECLINED
+    assert not [n for n in pic.nodes.values() if n.kind == "note"]
+
+
 def test_nesting_is_drawn_as_clusters(nested_report):
     paths = {s.path for s in nested_report}
     assert paths == {"scan/body", "cond/branch1", "jit[helper]", ""}

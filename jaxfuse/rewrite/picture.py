@@ -327,7 +327,8 @@ class _Program:
         return members, roots & members
 
     def place_reason(self, reason, members, roots):
-        """The reason on the edge that caused the decline, else in a note."""
+        """The reason on the edge that caused the decline (to the second reader
+        of a value, or from the producer XLA would fuse), else in a note."""
         text = textwrap.fill(reason, _REASON_WIDTH)
         named = re.search(r"the `([^`]+)` result (?:has \d+ uses|is also an output)", reason)
         if named:
@@ -338,6 +339,19 @@ class _Program:
                 reader = self.pic.nodes[e.dst]
                 if reader.status is None:
                     reader.status, reader.tooltip = CULPRIT, reason
+            if culprits:
+                return
+        producer = re.search(r"comes from a `([^`]+)` that XLA fuses|is a product \(`([^`]+)`\) "
+                             r"that XLA fuses", reason)
+        if producer:
+            prim = producer.group(1) or producer.group(2)
+            culprits = [e for e in self.pic.edges if e.dst in members and e.src not in members
+                        and self.pic.nodes[e.src].primitive == prim]
+            for e in culprits:
+                e.label, e.status = text, CULPRIT
+                source = self.pic.nodes[e.src]
+                if source.status is None:
+                    source.status, source.tooltip = CULPRIT, reason
             if culprits:
                 return
         anchor = min(roots or members, key=lambda n: int(n[len(self.prefix):]))
