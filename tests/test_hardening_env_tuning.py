@@ -328,6 +328,42 @@ def test_a_timed_run_past_the_limit_falls_back_uncached_and_warns_once(tmp_path,
         gate.set()
 
 
+def _as_one_of_two_processes(monkeypatch, answers):
+    """This process as one of two: process 0's answers to each `_agree`, in turn;
+    returns the list of what this process offered."""
+    offered, answers = [], iter(answers)
+    monkeypatch.setattr(tuning, "_processes", lambda: 2)
+    monkeypatch.setattr(tuning, "_agree", lambda index: (offered.append(index), next(answers))[1])
+    return offered
+
+
+def test_a_process_whose_timing_overruns_still_takes_process_0s_verdict(tmp_path, args,
+                                                                        monkeypatch):
+    # Every process must make every collective step, or the others wait for it
+    # forever: one that overran answers the verdict step and takes process 0's.
+    offered = _as_one_of_two_processes(monkeypatch, [tuning._TIME, 0])
+    gate = threading.Event()
+    t = tuning.Autotuner(rounds=5, run_limit_s=0.2, cache=tuning.cache(str(tmp_path)),
+                         timer=_StuckTimer({"xla": 2.0, "always": 1.0, "auto": 3.0}, "always", gate))
+    try:
+        fused = fused_count(jax.make_jaxpr(
+            jaxfuse.optimize(lambda a, b: program(a, b), policy="measure", autotuner=t))(*args))
+        assert offered == [tuning._TIME, tuning._OVERRAN]
+        assert fused == 0  # process 0's verdict: candidate 0, jax's own program
+        assert len(t.skipped) == 1 and "run limit of 0.2 s" in t.skipped[0]
+    finally:
+        gate.set()
+
+
+def test_process_0s_overrun_before_stops_every_process_from_timing(tmp_path, args, monkeypatch):
+    offered = _as_one_of_two_processes(monkeypatch, [tuning._OVERRAN])
+    t = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+    fused_count(jax.make_jaxpr(
+        jaxfuse.optimize(lambda a, b: program(a, b), policy="measure", autotuner=t))(*args))
+    assert offered == [tuning._TIME]  # this process had nothing stored; process 0 overran
+    assert t.timer.calls == [] and t.log == [] and len(t.skipped) == 1
+
+
 def test_a_warm_up_past_the_limit_falls_back(tmp_path, args, monkeypatch):
     gate = threading.Event()
     real = tuning._compiled

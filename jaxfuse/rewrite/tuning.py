@@ -325,6 +325,11 @@ def _processes() -> int:
     return jax.process_count()
 
 
+# What a process tells the others in place of a candidate's index.
+_TIME = -1     # nothing stored: time the candidates
+_OVERRAN = -2  # its runs of them overran: take the default
+
+
 def _agree(index: int) -> int:
     """Process 0's `index` on every process (several processes compile one
     program, so they must all pick the same candidate)."""
@@ -369,18 +374,25 @@ def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: 
         return default, False
     key = _key(closed, distinct, patterns)
     key_text = json.dumps(key, sort_keys=True)
-    if key_text in tuner._overran:  # overran before: never run it again
-        tuner.skipped.append(tuner._overran[key_text])
-        return default, False
     choice = tuner.cache.get(key)
     names = list(distinct)
     several = _processes() > 1
     if several:
-        # Every process takes process 0's stored choice, or all time the
-        # candidates together (timing runs collectives: all or none).
-        stored = _agree(names.index(choice) if choice in names else -1)
+        # Every process takes process 0's answer at each step, so all run the
+        # same collectives: its stored choice, its "overran before", or all
+        # time the candidates together (timing runs collectives: all or none).
+        mine = (_OVERRAN if key_text in tuner._overran else
+                names.index(choice) if choice in names else _TIME)
+        stored = _agree(mine)
         if stored >= 0:
             return names[stored], True
+        if stored == _OVERRAN:
+            tuner.skipped.append(tuner._overran.get(
+                key_text, "process 0's run of these candidates overran before"))
+            return default, False
+    elif key_text in tuner._overran:  # overran before: never run it again
+        tuner.skipped.append(tuner._overran[key_text])
+        return default, False
     elif choice is not None:
         return choice, True
     limit = tuner.run_limit()
@@ -393,6 +405,10 @@ def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: 
                   f"stand-in data (Autotuner.run_limit_s; default budget_s, at least 1 s)")
         tuner._overran[key_text] = reason
         tuner.skipped.append(reason)
+        if several:  # the others wait for this step's verdict: process 0's stands for all
+            verdict = _agree(_OVERRAN)
+            if verdict >= 0:
+                return names[verdict], True
         # The running stack's user frame may lie beyond the traceback jax
         # records (jit's own frames fill it): then the program's first line.
         where = (C.current_user_frame()
@@ -403,7 +419,11 @@ def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: 
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     choice = min(medians, key=medians.get)
     if several:  # each process timed its own share: process 0's verdict for all
-        choice = names[_agree(names.index(choice))]
+        verdict = _agree(names.index(choice))
+        if verdict == _OVERRAN:
+            tuner.skipped.append("process 0's timed runs of these candidates overran")
+            return default, False
+        choice = names[verdict]
     tuner.cache.put(key, choice, medians)
     tuner.log.append((key, choice, medians))
     return choice, True
