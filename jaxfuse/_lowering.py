@@ -21,6 +21,7 @@ from . import _env, _kernels, _numerics
 from ._primitive import (add_relu_p, add_relu_reference, epilogue_p, epilogue_reference)
 from ._sharding import is_partitioned, local_call, lower_partitioned
 from .rewrite import cost as _cost
+from .rewrite import pacing
 
 DISABLE_KERNELS = C.jit_key_flag(
     "jaxfuse_disable_kernels", _env.SETTINGS.disable_kernels,
@@ -29,8 +30,6 @@ DISABLE_KERNELS = C.jit_key_flag(
 
 _warned: set[str] = set()
 
-# Output bytes from which a CPU call is paced (`_paced`).
-_CPU_PACING_MIN_OUTPUT_BYTES = 512 << 10
 
 
 @contextlib.contextmanager
@@ -81,29 +80,6 @@ def _fits_kernel(ctx, platform) -> bool:
     return rank <= min(limits.get("max_rank", rank), limits.get("max_device_rank", rank))
 
 
-def _paced(platform: str, avals_in, avals_out, pace=None) -> bool:
-    """Whether this call gets a pacing value (`_sharding.pacing_value`): on CPU,
-    from 512 KiB of output, and not for symbolic shapes (their size is unknown),
-    nor where the rewrite found the program busy enough without (`pace=False`,
-    rewrite/pacing.py).
-
-    XLA:CPU runs a program it estimates under 1000 flops inline on the
-    dispatching thread, and counts a custom call as -1 flops, so a program of
-    kernel calls alone would run inline where XLA's own fusion runs on its
-    pool. Inline, outputs are allocated and freed in step with the caller's
-    loop, and the allocator can hand back pages it has just returned to the
-    system, so every page faults again. The pacing value gives the program
-    work XLA counts, so it runs on the pool as XLA's does. The threshold and
-    the losses it avoids: bench/results/cpu-pacing-loop-2026-12-01.txt,
-    bench/probes/pacing_loop.py, and the notes beside them.
-    """
-    avals = (*avals_in, *avals_out)
-    if pace is False or platform != "cpu" or not all(isinstance(d, int) for a in avals for d in a.shape):
-        return False
-    out_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in avals_out)
-    return out_bytes >= _CPU_PACING_MIN_OUTPUT_BYTES
-
-
 def _rounds_by_position(ctx, platform: str, params) -> bool:
     """Whether XLA's own loop for this epilogue rounds element by element
     differently (`_numerics.cpu_rounds_by_position`): then no kernel matches it."""
@@ -137,7 +113,7 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
         if inplace is not None and tuple(ctx.avals_in[inplace].shape) != tuple(ctx.avals_out[0].shape):
             inplace = None
         call = local_call(target, len(ctx.avals_out), attrs, inplace=inplace,
-                          pace=_paced(platform, ctx.avals_in, ctx.avals_out,
+                          pace=pacing.paced(platform, ctx.avals_in, ctx.avals_out,
                                                  params.get("pace")))
         return mlir.lower_fun(call, multiple_results=len(ctx.avals_out) > 1)(ctx, *args)
 

@@ -120,7 +120,7 @@ def pacing_value(operands):
     """A scalar XLA computes at run time from the first element of the largest
     operand: passed to a CPU kernel that ignores it, its flops keep a program
     of nothing but kernel calls off XLA:CPU's inline path (see
-    `_lowering._paced`). Reading one element, it costs the same whatever the
+    `rewrite.pacing.paced`). Reading one element, it costs the same whatever the
     operands' shapes; a scalar (the sum of PACING_ELEMENTS products) rather
     than the products themselves, so the buffer it holds is as small as a
     value can be (PACING_TEMP_BYTES of temp, where the vector held 8 KiB)."""

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
+from conftest import assert_bitwise_equal
 
 optax = pytest.importorskip("optax", reason="needs the `models` extra (optax)")
 
@@ -162,16 +163,42 @@ def test_explain_reports_the_compiled_bytes():
     assert jaxfuse.explain(step, *args, policy="always").memory is None
 
 
-def test_explain_names_the_temp_bytes_a_fused_site_adds(rng):
+def test_auto_declines_the_sites_that_raise_temp_and_names_the_bytes(rng):
     """Per-channel operands XLA computes inside its own loop are written out for
-    the call: the cost model counts them, and they are what the program adds."""
+    the call; where that raises the program's temp, `auto` declines those sites
+    and says by how much, in XLA's own figures (`always` fuses them)."""
     from jaxfuse.bench import models as M
+    from jaxfuse.rewrite.report import human_bytes
 
     spec = M.BUILDERS["resnet_block"](M.size_for("resnet_block", "cpu"), jnp.float32,
                                       jax.random.PRNGKey(0))
     data = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s, _ in spec.data_shapes]
     report = jaxfuse.explain(jaxfuse.optimize(spec.fn), spec.params, *data, memory=True)
-    written = [s.cost.written_bytes for s in report.fused]
-    assert written and all(w > 0 for w in written)
-    assert report.memory["optimized"]["temp"] - report.memory["jit"]["temp"] == sum(written)
-    assert "holds +512 B of temp" in str(report)
+    declined = [s for s in report.sites if "more than jax.jit's" in (s.reason or "")]
+    assert declined and not report.fused
+    assert all(s.declined_for_cost and "512 B of operands written out" in s.reason
+               for s in declined)
+    assert report.memory["optimized"]["temp"] == report.memory["jit"]["temp"]
+    always = jaxfuse.explain(jaxfuse.optimize(spec.fn, policy="always"), spec.params, *data,
+                             memory=True)
+    assert len(always.fused) == len(declined)
+    extra = always.memory["optimized"]["temp"] - always.memory["jit"]["temp"]
+    assert extra == 512 * len(declined)
+    assert (f"would hold {human_bytes(always.memory['optimized']['temp'])} of temp, "
+            f"{human_bytes(extra)} more than jax.jit's "
+            f"({human_bytes(always.memory['jit']['temp'])})") in declined[0].reason
+    out = jaxfuse.optimize(spec.fn)(spec.params, *data)
+    jax.tree_util.tree_map(assert_bitwise_equal, out, jax.jit(spec.fn)(spec.params, *data))
+
+
+def test_auto_leaves_a_lone_paced_call_to_xla_and_always_holds_its_pacing_value(rng):
+    from jaxfuse._sharding import PACING_TEMP_BYTES
+
+    x, y = (jnp.asarray(rng.standard_normal(1 << 22), jnp.float32) for _ in range(2))
+    f = lambda a, b: jax.nn.relu(a + b)  # noqa: E731
+    auto = jaxfuse.explain(f, x, y, memory=True)
+    (site,) = auto.sites
+    assert not site.fused and "needs a pacing value" in site.reason
+    assert auto.memory["optimized"]["temp"] == auto.memory["jit"]["temp"] == 0
+    always = jaxfuse.explain(f, x, y, policy="always", memory=True)
+    assert always.fused and always.memory["optimized"]["temp"] == PACING_TEMP_BYTES

@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from jaxfuse import _lowering, _sharding
+from jaxfuse import _sharding
+from jaxfuse.rewrite import pacing
 from conftest import assert_bitwise_equal, load_bench_script, random_operand
 
 pytest.importorskip("jaxfuse._cpu_kernels", reason="jaxfuse built without its CPU extension")
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU lowering")
 
-THRESHOLD = _lowering._CPU_PACING_MIN_OUTPUT_BYTES  # bytes written
+THRESHOLD = pacing.CPU_MIN_OUTPUT_BYTES  # bytes written
 # Rows of 1024 float32 for the smallest paced call (both forms: the output decides).
 ROWS = -(-THRESHOLD // (1024 * 4))
 
@@ -195,7 +196,7 @@ def test_the_pacing_loop_script_times_an_inline_and_a_paced_program():
     # bench/probes/pacing_loop.py refuses to time a case unless its "inline" program is
     # one XLA:CPU runs inline (flop estimate under 1000) and its "paced" one is not.
     record = load_bench_script("probes/pacing_loop").run_case("float32", 12, "normal", rounds=2)
-    assert _lowering._CPU_PACING_MIN_OUTPUT_BYTES == THRESHOLD  # restored
+    assert pacing.CPU_MIN_OUTPUT_BYTES == THRESHOLD  # restored
     for mode in ("inline", "paced"):
         for pattern in ("loop", "latency"):
             med, lo, hi = record[f"{mode}_{pattern}"]

@@ -5,7 +5,7 @@ issued, one wait at the end (``loop``), and with every call waited for
 
 XLA:CPU runs a program it estimates under 1000 flops inline on the thread that
 dispatched it and counts a custom call as -1 flops, so a program made of a
-kernel call alone runs inline unless the call is paced (jaxfuse/_lowering.py).
+kernel call alone runs inline unless the call is paced (jaxfuse/rewrite/pacing.py).
 Inline, its output is allocated and freed on the dispatching thread in step
 with the Python loop; this measures what that does to the kernel's time and
 page faults, against the same kernel paced and against XLA.
@@ -44,7 +44,7 @@ def run_case(dtype: str, log2: int, inputs: str, rounds: int) -> dict:
     import jax.numpy as jnp
 
     import jaxfuse
-    from jaxfuse import _lowering
+    from jaxfuse.rewrite import pacing
     from jaxfuse.bench import timing
 
     n = 1 << log2
@@ -58,10 +58,10 @@ def run_case(dtype: str, log2: int, inputs: str, rounds: int) -> dict:
         return jaxfuse.optimize(lambda x, y: jax.nn.relu(x + y), policy="always")
 
     fns = {"xla": jax.jit(lambda x, y: jax.nn.relu(x + y))}
-    saved = _lowering._CPU_PACING_MIN_OUTPUT_BYTES
+    saved = pacing.CPU_MIN_OUTPUT_BYTES
     try:
         for mode, threshold in (("inline", float("inf")), ("paced", 0)):
-            _lowering._CPU_PACING_MIN_OUTPUT_BYTES = threshold
+            pacing.CPU_MIN_OUTPUT_BYTES = threshold
             fns[mode] = make()
             lowered = fns[mode].lower(a, b)
             if "custom_call" not in lowered.as_text():
@@ -73,7 +73,7 @@ def run_case(dtype: str, log2: int, inputs: str, rounds: int) -> dict:
                 raise SystemExit(f"{mode}: the program's flop estimate is {flops}")
             jax.block_until_ready(fns[mode](a, b))
     finally:
-        _lowering._CPU_PACING_MIN_OUTPUT_BYTES = saved
+        pacing.CPU_MIN_OUTPUT_BYTES = saved
     jax.block_until_ready(fns["xla"](a, b))
 
     times = {(m, p): [] for m in MODES for p in ("loop", "latency")}

@@ -39,7 +39,7 @@ returns when the kernel is done -- while XLA's own fused loop of the same op
 In latency mode both pay the full call; in throughput mode XLA's calls overlap
 their dispatch with execution while jaxfuse's do not.  Calls with 512 KiB of
 output or more (static shapes, unpartitioned) are paced
-(``jaxfuse._lowering._paced``) and dispatched asynchronously like XLA's.
+(``jaxfuse.rewrite.pacing.paced``) and dispatched asynchronously like XLA's.
 A real program holding the custom call (anything with a matmul or a
 convolution beside it) is over the threshold and dispatched asynchronously
 either way, so this asymmetry is particular to the op-level workloads; the

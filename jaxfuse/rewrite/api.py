@@ -23,6 +23,7 @@ import jax
 
 from .. import _compat as C
 from . import cost as _cost
+from . import memory as _memory
 from . import pacing
 from . import probe as _probe
 from . import tuning
@@ -187,15 +188,24 @@ def rewrite_for(closed, patterns, policy: str, platform: str | None, origin=None
     fuses with their neighbours settled (probe.py: timed when `time_it`):
     (jaxpr, report)."""
     model = _cost_model(policy, platform)
+    here = model is not None and platform == trace_platform()
     with targeting(platform or trace_platform()):
         new, report = rewrite(closed, patterns, origin, cost=model)
-        if model is not None and platform == trace_platform():
+        if here:
             new, report = _probe.settle(
                 closed, new, report, model,
                 lambda give_back: rewrite(closed, patterns, origin,
                                           cost=_cost.CostModel(platform, give_back)),
                 patterns=patterns, tuner=tuner, time_it=time_it)
-    report.jaxpr = new = pacing.settle(new)
+        new = pacing.settle(new)
+        if here:
+            given_back = _probe.given_back(report)
+            new, report = _memory.settle(
+                closed, new, report, platform,
+                lambda keys, reason: rewrite(closed, patterns, origin, cost=_cost.CostModel(
+                    platform, given_back, lean=(keys, reason))),
+                patterns=patterns, tuner=tuner)
+    report.jaxpr = new
     return new, report
 
 
@@ -285,16 +295,9 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
     report.platform = platform
     report.traced = closed  # for report.graph("before")
     if memory:
-        report.memory = {"jit": _compiled_memory(closed), "optimized": _compiled_memory(report.jaxpr)}
+        report.memory = {"jit": _memory.compiled_memory(closed),
+                         "optimized": _memory.compiled_memory(report.jaxpr)}
     return report
-
-
-def _compiled_memory(closed) -> dict:
-    """Bytes XLA reports for `closed` compiled for the default device."""
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-             for a in closed.in_avals]
-    stats = jax.jit(lambda *a: C.inline_closed(closed, *a)).lower(*avals).compile().memory_analysis()
-    return {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in ("temp", "argument", "output")}
 
 
 def _is_jitted(fun) -> bool:

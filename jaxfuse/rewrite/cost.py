@@ -288,10 +288,13 @@ class CostModel:
 
     policy = "auto"
 
-    def __init__(self, platform: str | None = None, give_back=frozenset()):
+    def __init__(self, platform: str | None = None, give_back=frozenset(), lean=None):
         self.platform = platform
         self.probed: list[int] = []  # sites fused by a conv band, for probe.py
         self.give_back = frozenset(give_back)  # of those, the ones XLA fuses with neighbours
+        # (facts, reason): sites whose facts (`site_key`) are in `facts` are
+        # declined for `reason`: they raised the program's memory (memory.py).
+        self.lean = lean
 
     # ---- contexts for nested jaxprs (walker.descend)
     def context_for(self, eqn, body, graph, outer=TOP) -> Context | None:
@@ -352,7 +355,15 @@ class CostModel:
             if facts.probe in self.give_back:
                 facts = dataclasses.replace(facts, xla_fuses=True)
                 reason = XLA_FUSES_REASON
+        if reason is None and self.lean is not None and site_key(facts) in self.lean[0]:
+            reason = self.lean[1]
         return reason, facts
+
+
+def site_key(facts: SiteFacts) -> SiteFacts:
+    """What identifies a site's kind across rewrites of one program: its facts
+    without the probe's numbering and verdict."""
+    return dataclasses.replace(facts, probe=-1, xla_fuses=False)
 
 
 _FORMS = {"add_relu": "plain", "scale_shift_relu": "scale_shift", "bn_relu": "batchnorm",
@@ -531,7 +542,7 @@ def platform_reason(facts: SiteFacts | None, platform: str, isa: str | None = No
                 f"measured ({p.source})")
     if facts.symbolic:
         # Even a size provably above the threshold: above every measured
-        # threshold a call is paced (_lowering._paced); one of symbolic size is not.
+        # threshold a call is paced (rewrite.pacing.paced); one of symbolic size is not.
         return (f"{facts.elements} elements: symbolic, the cost model cannot tell whether "
                 f"a custom call pays on {platform}")
     band = p.conv_band(facts) if "conv" in facts.producers else None

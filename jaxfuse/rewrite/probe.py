@@ -122,6 +122,12 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
     return again, again_report
 
 
+def given_back(report) -> frozenset:
+    """The probe numbers of the sites `report` gives back to XLA's fusion."""
+    return frozenset(s.cost.probe for s in report.sites
+                     if getattr(s.cost, "xla_fuses", False) and s.cost.probe >= 0)
+
+
 def _marked_report(report, numbers, marked):
     sites = []
     for site in report.sites:

@@ -58,7 +58,6 @@ import numpy as np
 import jax
 
 from .. import _compat as C
-from .._sharding import PACING_TEMP_BYTES
 from .._version import __version__
 from . import subjaxprs
 
@@ -78,7 +77,7 @@ class TuningCache:
 
     def __init__(self, path: str | None = None):
         self._path = path or None
-        self._unwritten: dict[str, str] = {}  # decisions the directory refused, by file
+        self._unwritten: dict[str, dict] = {}  # entries the directory refused, by file
 
     @property
     def path(self) -> str:
@@ -92,6 +91,12 @@ class TuningCache:
         return os.path.join(self.path, f"{digest}.json")
 
     def get(self, key: dict) -> str | None:
+        entry = self.entry(key)
+        return entry["choice"] if entry is not None else None
+
+    def entry(self, key: dict) -> dict | None:
+        """The whole stored entry for `key` (choice, median_s, and any other
+        figures stored with it), or None."""
         if self._file(key) in self._unwritten:
             return self._unwritten[self._file(key)]
         try:
@@ -103,20 +108,20 @@ class TuningCache:
         # hand-edited file never hands back another program's choice.
         if entry.get("key") != key or entry.get("choice") not in key.get("candidates", VARIANTS):
             return None
-        return entry["choice"]
+        return entry
 
-    def put(self, key: dict, choice: str, medians: dict) -> None:
+    def put(self, key: dict, choice: str, medians: dict, **figures) -> None:
         target = self._file(key)
         tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
+        entry = {"key": key, "choice": choice, "median_s": medians, **figures}
         try:
             os.makedirs(self.path, exist_ok=True)
             with open(tmp, "w") as f:
-                json.dump({"key": key, "choice": choice, "median_s": medians,
-                           "written": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
+                json.dump({**entry, "written": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
             os.replace(tmp, target)
         except OSError as e:
             # The decision still holds for this process; only persisting failed.
-            self._unwritten[target] = choice
+            self._unwritten[target] = entry
             C.warn_at_user_line(f"jaxfuse: cannot write the tuning cache at {self.path!r} "
                                 f"({e}); set JAXFUSE_CACHE_DIR to a writable directory")
 
@@ -457,7 +462,7 @@ def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
           baseline: str, mesh=None, fixed_rounds: bool = False) -> dict:
     """{candidate: [seconds per round]}; raises `_Overrun` when a run does not
     end within `limit` seconds. A candidate whose compiled program holds more
-    temp bytes than XLA's own (beyond a pacing value's) is not timed: it is
+    temp bytes than XLA's own is not timed: it is
     never chosen, since optimize must not raise a program's memory. On `mesh`
     (its arguments sharded as their types say); `fixed_rounds`: all `rounds`,
     whatever the budget, so that every process runs the same programs."""
@@ -467,7 +472,7 @@ def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
     temps = {name: _temp_bytes(fn) for name, fn in compiled.items()}
     if temps.get(baseline) is not None:
         compiled = {name: fn for name, fn in compiled.items() if name == baseline
-                    or temps[name] is None or temps[name] <= temps[baseline] + PACING_TEMP_BYTES}
+                    or temps[name] is None or temps[name] <= temps[baseline]}
     # Warm-up (allocation, first touch), waited for by polling: a program that
     # never ends on this data shows here, and a thread left blocked inside
     # jax's own wait would abort the process at exit.

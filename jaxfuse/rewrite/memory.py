@@ -1,0 +1,117 @@
+"""`auto` never makes a program hold more temp memory than `jax.jit`'s.
+
+A fused site can hold bytes XLA's own program does not: operands XLA computes
+inside its loop (a BatchNorm's per-channel scale) that the call needs written
+out first (`SiteFacts.written_bytes`), and a CPU call's pacing value
+(`pacing.paced`). Whether those bytes raise the program's temp depends on what
+else is live then, which only XLA's buffer assignment knows, and the same
+rewrite elsewhere lowers the temp (a fused output standing in for a value the
+backward pass would keep). So where the rewrite has such sites, `jax.jit`'s
+program and the rewrite are compiled and their temp bytes compared, as XLA
+reports them (exact). If the rewrite holds more, those sites are declined,
+with the bytes in the reason; if it still holds more, every site is, and the
+program is jit's own. The verdict is stored beside the tuner's decisions (per
+program, device and versions), so a program pays the compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from .. import _compat as C
+from . import pacing, subjaxprs, tuning
+from .cost import site_key
+from .report import human_bytes
+
+_PENDING = "declined: fused, the program would hold more temp memory than jax.jit's"
+
+
+def temp_bytes(closed) -> int:
+    """The temp bytes XLA reports for `closed` compiled for the default device."""
+    return compiled_memory(closed)["temp"]
+
+
+def compiled_memory(closed) -> dict:
+    """Bytes XLA reports for `closed` compiled for the default device."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+             for a in closed.in_avals]
+    stats = jax.jit(lambda *a: C.inline_closed(closed, *a)).lower(*avals).compile().memory_analysis()
+    return {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in ("temp", "argument", "output")}
+
+
+def adding_sites(closed, platform: str) -> frozenset:
+    """`site_key`s of the fused calls in `closed` that hold bytes jit's program
+    would not: operands written out for the call, or a pacing value."""
+    found = set()
+    for e in subjaxprs.all_eqns(closed):
+        facts = e.params.get("site_facts") if e.primitive in pacing._FUSED else None
+        if facts is None:
+            continue  # a user's own call of the fused op, not a site the pass chose
+        if getattr(facts, "written_bytes", 0) > 0 or pacing.paced(
+                platform, [v.aval for v in e.invars], [v.aval for v in e.outvars],
+                e.params.get("pace")):
+            found.add(site_key(facts))
+    return frozenset(found)
+
+
+def settle(closed, new, report, platform: str, rewrite_lean, *, patterns=(), tuner=None):
+    """`new` (the rewrite of `closed`, `report` its report) if it holds no more
+    temp than `closed` compiled by jit; else the rewrite declining the sites
+    that add bytes (`rewrite_lean(keys, reason)` reruns it so), else `closed`.
+    Returns (jaxpr, report)."""
+    adding = adding_sites(new, platform)
+    if not adding:
+        return new, report
+    lean, lean_report = rewrite_lean(adding, _PENDING)
+    lean = pacing.settle(lean)
+    cache = (tuner or tuning.SETTLING).cache
+    try:
+        key = {**tuning._key(closed, {"xla": closed, "auto": new, "lean": lean}, patterns),
+               "decision": "temp bytes"}
+    except Exception:  # noqa: BLE001 - constants of an enclosing trace: nothing to compile
+        return new, report
+    entry = cache.entry(key)
+    if entry is not None and isinstance(entry.get("temp_bytes"), dict):
+        choice, temps = entry["choice"], entry["temp_bytes"]
+    else:
+        try:
+            temps = {"xla": temp_bytes(closed), "auto": temp_bytes(new)}
+            choice = "auto"
+            if temps["auto"] > temps["xla"]:
+                temps["lean"] = temp_bytes(lean)
+                choice = "lean" if temps["lean"] <= temps["xla"] else "xla"
+        except Exception:  # noqa: BLE001 - a program XLA cannot compile here: leave it be
+            return new, report
+        cache.put(key, choice, {}, temp_bytes=temps)
+    if choice == "auto":
+        return new, report
+    more = (f"fused, the program would hold {human_bytes(temps['auto'])} of temp, "
+            f"{human_bytes(temps['auto'] - temps['xla'])} more than jax.jit's "
+            f"({human_bytes(temps['xla'])})")
+    if choice == "lean":
+        return lean, _reasoned(lean_report, more, lean)
+    more_still = (f"{more}, and {human_bytes(temps['lean'])} without the sites that write "
+                  f"values out for their calls: every site is left to XLA")
+    return closed, _all_declined(lean_report, more_still, closed)
+
+
+def _cause(facts) -> str:
+    written = getattr(facts, "written_bytes", 0)
+    if written:
+        return (f"this call needs {human_bytes(written)} of operands written out that XLA "
+                f"computes inside its own loop")
+    return "this call needs a pacing value, a scalar XLA computes (a program of little other work)"
+
+
+def _reasoned(report, more: str, jaxpr):
+    sites = [dataclasses.replace(s, reason=f"{more}: {_cause(s.cost)}") if s.reason == _PENDING
+             else s for s in report.sites]
+    return dataclasses.replace(report, sites=sites, jaxpr=jaxpr)
+
+
+def _all_declined(report, reason: str, jaxpr):
+    sites = [dataclasses.replace(s, fused=False, reason=reason, declined_for_cost=True)
+             if s.fused or s.reason == _PENDING else s for s in report.sites]
+    return dataclasses.replace(report, sites=sites, jaxpr=jaxpr)
