@@ -202,3 +202,15 @@ def test_auto_leaves_a_lone_paced_call_to_xla_and_always_holds_its_pacing_value(
     assert auto.memory["optimized"]["temp"] == auto.memory["jit"]["temp"] == 0
     always = jaxfuse.explain(f, x, y, policy="always", memory=True)
     assert always.fused and always.memory["optimized"]["temp"] == PACING_TEMP_BYTES
+
+
+def test_a_site_whose_temp_cannot_be_checked_is_left_to_xla(rng):
+    # The optimized function closes over a value of the enclosing jit's trace:
+    # its program cannot be compiled alone to compare temp bytes.
+    x, y = (jnp.asarray(rng.standard_normal(1 << 22), jnp.float32) for _ in range(2))
+
+    def outer(a, b):
+        return jaxfuse.optimize(lambda v: jax.nn.relu(v + b))(a)
+
+    assert "custom_call" not in jax.jit(outer).lower(x, y).as_text()
+    assert_bitwise_equal(jax.jit(outer)(x, y), jax.jit(lambda a, b: jax.nn.relu(a + b))(x, y))

@@ -70,21 +70,21 @@ def settle(closed, new, report, platform: str, rewrite_lean, *, patterns=(), tun
     try:
         key = {**tuning._key(closed, {"xla": closed, "auto": new, "lean": lean}, patterns),
                "decision": "temp bytes"}
-    except Exception:  # noqa: BLE001 - constants of an enclosing trace: nothing to compile
-        return new, report
-    entry = cache.entry(key)
-    if entry is not None and isinstance(entry.get("temp_bytes"), dict):
-        choice, temps = entry["choice"], entry["temp_bytes"]
-    else:
-        try:
+        entry = cache.entry(key)
+        if entry is not None and isinstance(entry.get("temp_bytes"), dict):
+            choice, temps = entry["choice"], entry["temp_bytes"]
+        else:
             temps = {"xla": temp_bytes(closed), "auto": temp_bytes(new)}
             choice = "auto"
             if temps["auto"] > temps["xla"]:
                 temps["lean"] = temp_bytes(lean)
                 choice = "lean" if temps["lean"] <= temps["xla"] else "xla"
-        except Exception:  # noqa: BLE001 - a program XLA cannot compile here: leave it be
-            return new, report
-        cache.put(key, choice, {}, temp_bytes=temps)
+            cache.put(key, choice, {}, temp_bytes=temps)
+    except Exception as e:  # noqa: BLE001 - e.g. constants of an enclosing trace
+        # Unchecked, those sites may raise the temp: they are left to XLA.
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+        return lean, _reasoned(lean_report, f"its temp bytes could not be compared with "
+                                            f"jax.jit's ({why})", lean)
     if choice == "auto":
         return new, report
     more = (f"fused, the program would hold {human_bytes(temps['auto'])} of temp, "
