@@ -331,32 +331,32 @@ class _Program:
         of a value, or from the producer XLA would fuse), else in a note."""
         text = textwrap.fill(reason, _REASON_WIDTH)
         named = re.search(r"the `([^`]+)` result (?:has \d+ uses|is also an output)", reason)
-        if named:
+        if named:  # the edges from the value to its readers outside the site
             sources = {n for n in members if self.pic.nodes[n].primitive == named.group(1)}
-            culprits = [e for e in self.pic.edges if e.src in sources and e.dst not in members]
-            for e in culprits:
-                e.label, e.status = text, CULPRIT
-                reader = self.pic.nodes[e.dst]
-                if reader.status is None:
-                    reader.status, reader.tooltip = CULPRIT, reason
-            if culprits:
+            if self.blame([e for e in self.pic.edges if e.src in sources and e.dst not in members],
+                          text, reason, lambda e: e.dst):
                 return
         producer = re.search(r"comes from a `([^`]+)` that XLA fuses|is a product \(`([^`]+)`\) "
                              r"that XLA fuses", reason)
-        if producer:
+        if producer:  # the edges into the site from that producer
             prim = producer.group(1) or producer.group(2)
-            culprits = [e for e in self.pic.edges if e.dst in members and e.src not in members
-                        and self.pic.nodes[e.src].primitive == prim]
-            for e in culprits:
-                e.label, e.status = text, CULPRIT
-                source = self.pic.nodes[e.src]
-                if source.status is None:
-                    source.status, source.tooltip = CULPRIT, reason
-            if culprits:
+            if self.blame([e for e in self.pic.edges if e.dst in members and e.src not in members
+                           and self.pic.nodes[e.src].primitive == prim],
+                          text, reason, lambda e: e.src):
                 return
         anchor = min(roots or members, key=lambda n: int(n[len(self.prefix):]))
         note = self.node(text, "note", self.pic.nodes[anchor].cluster)
         self.pic.add_edge(anchor, note, status="note")
+
+    def blame(self, culprits, text: str, reason: str, culprit_node) -> bool:
+        """Writes the reason on `culprits` (edges) and outlines the node
+        `culprit_node(edge)` of each; whether there were any."""
+        for e in culprits:
+            e.label, e.status = text, CULPRIT
+            node = self.pic.nodes[culprit_node(e)]
+            if node.status is None:
+                node.status, node.tooltip = CULPRIT, reason
+        return bool(culprits)
 
 
 def _in_scope(op: _Op, path: str, wanted: set) -> bool:
