@@ -8,14 +8,14 @@
 //
 // This is what XLA computes for the same expression written with lax ops, on
 // the same platform, and the per-platform rules that make it bit-identical are
-// the two switches below. Measured against XLA:CPU (jaxlib 0.10.2 and 0.11.2,
-// x86-64 with FMA; tests/test_epilogue_numerics.py pins them):
+// the two switches below, as XLA:CPU (jaxlib 0.10.2 and 0.11.2, x86-64 with
+// FMA) behaves; tests/test_epilogue_numerics.py pins them, and
+// jaxfuse/_numerics.py states where each holds:
 //
 //   * kContract: XLA:CPU contracts `v * s + t` into one fused multiply-add
-//     inside its loop fusions for float32 and float64 (every one of 4096
-//     random results equal to the FMA, ~13% different from two roundings),
-//     `(x - m) * s + t` as fma(x - m, s, t), `x * s + t + r` as
-//     fma(x, s, t) + r. XLA:GPU did not contract float32 on an H200.
+//     inside its loop fusions for float32 and float64, `(x - m) * s + t` as
+//     fma(x - m, s, t), `x * s + t + r` as fma(x, s, t) + r. XLA:GPU does not
+//     contract float32 (H200).
 //   * kNarrowEachOp: for float16 / bfloat16, XLA:CPU rounds every operation to
 //     the narrow type (widen both operands to f32, operate, round). It does
 //     not contract there, except float16 where it targets AVX512-FP16: its
