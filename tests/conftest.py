@@ -70,7 +70,28 @@ def _float16_case(item) -> bool:
     return False
 
 
+def unmeasured_isa_reason() -> str | None:
+    """Why `auto`'s CPU decisions cannot be pinned here: XLA targets an ISA
+    level the cost model was never measured for, where `auto` declines every
+    site by design (tests/test_isa.py tests that); None where they can."""
+    from jaxfuse import _isa
+    from jaxfuse.rewrite import cost
+
+    level = _isa.target_level_here()
+    measured = cost.PLATFORMS["cpu"].isa_levels
+    if level in measured:
+        return None
+    return (f"pins auto's CPU decisions, measured where XLA targets {', '.join(measured)}; "
+            f"here it targets {level} (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}), where "
+            f"auto declines every site")
+
+
 def pytest_collection_modifyitems(config, items):
+    why = unmeasured_isa_reason()
+    if why is not None:
+        for item in items:
+            if item.get_closest_marker("measured_isa"):
+                item.add_marker(pytest.mark.skip(reason=why))
     float16 = [item for item in items if _float16_case(item)]
     if float16 and not xla_compiles_float16():
         skip = pytest.mark.skip(reason=no_float16_reason())

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 import jaxfuse
 from jaxfuse.rewrite.subjaxprs import all_eqns
+from conftest import skip_without_float16
 
 pytest.importorskip("flax", reason="needs the `models` extra (flax)")
 
@@ -179,6 +180,7 @@ def test_haiku_multi_head_attention(rng, masked):
 
 
 def test_haiku_float16_masked_is_declined(rng):
+    skip_without_float16()
     hk = pytest.importorskip("haiku", reason="needs dm-haiku")
 
     def net(x, mask):

@@ -20,6 +20,8 @@ from jax import lax
 import jaxfuse
 from jaxfuse.rewrite import cost
 
+pytestmark = pytest.mark.measured_isa  # auto's CPU decisions (conftest.py)
+
 BIG = (1 << 26) // 1024, 1024   # 64M elements: above every CPU size threshold
 SMALL = (4, 8)
 

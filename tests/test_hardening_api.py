@@ -54,6 +54,7 @@ def test_a_symbolic_export_under_auto_leaves_the_site_to_xla_and_runs(rng):
     np.testing.assert_array_equal(exported.call(x, b), jax.jit(_add_relu)(x, b))
 
 
+@pytest.mark.measured_isa
 def test_explain_declines_a_symbolic_size_for_cost_naming_it():
     (site,) = jaxfuse.explain(_add_relu, *_symbolic("n, 8", "8"), platform="cpu")
     assert site.declined_for_cost and not site.fused
@@ -71,6 +72,7 @@ def test_a_symbolic_export_under_always_still_fuses(rng):
     np.testing.assert_array_equal(exported.call(x, b), jax.jit(_add_relu)(x, b))
 
 
+@pytest.mark.measured_isa
 def test_a_symbolic_operand_is_small_only_where_provably_so():
     def bn(x, gamma, var, beta):  # a per-channel scale computed by fusible ops
         return jax.nn.relu(x * (gamma * lax.rsqrt(var + 1e-5)) + beta)
@@ -88,6 +90,7 @@ def test_a_symbolic_operand_is_small_only_where_provably_so():
     assert "MiB" in site.reason  # the operand itself has a known size
 
 
+@pytest.mark.measured_isa
 def test_the_cost_model_builds_the_auto_candidate_of_a_symbolic_program():
     # What policy="measure" builds first (api.measured_choice), and what
     # lowering decides again for a site rewritten without a known platform.

@@ -163,6 +163,7 @@ def test_explain_reports_the_compiled_bytes():
     assert jaxfuse.explain(step, *args, policy="always").memory is None
 
 
+@pytest.mark.measured_isa
 def test_auto_declines_the_sites_that_raise_temp_and_names_the_bytes(rng):
     """Per-channel operands XLA computes inside its own loop are written out for
     the call; where that raises the program's temp, `auto` declines those sites
@@ -191,6 +192,7 @@ def test_auto_declines_the_sites_that_raise_temp_and_names_the_bytes(rng):
     jax.tree_util.tree_map(assert_bitwise_equal, out, jax.jit(spec.fn)(spec.params, *data))
 
 
+@pytest.mark.measured_isa
 def test_auto_leaves_a_lone_paced_call_to_xla_and_always_holds_its_pacing_value(rng):
     from jaxfuse._sharding import PACING_TEMP_BYTES
 

@@ -23,7 +23,8 @@ import jaxfuse
 from jaxfuse import tuning
 from jaxfuse.rewrite import cost, probe
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's library fusions")
+pytestmark = [pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's library fusions"),
+              pytest.mark.measured_isa]  # auto's CPU decisions (conftest.py)
 
 
 def _library_fusions(text: str) -> int:

@@ -22,7 +22,8 @@ import jaxfuse
 from jaxfuse.rewrite import cost
 
 hk = pytest.importorskip("haiku", reason="needs the `models` extra (dm-haiku)")
-pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU cost model")
+pytestmark = [pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU cost model"),
+              pytest.mark.measured_isa]  # auto's CPU decisions (conftest.py)
 
 EPILOGUES = ("bn_relu", "bn_residual_relu")
 STRUCTURAL = ("comes from a `add` that XLA fuses into the same loop",

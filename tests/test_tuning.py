@@ -166,6 +166,7 @@ def test_prng_key_arguments_get_the_cost_models_choice(tmp_path, args):
     assert t.timer.calls == []
 
 
+@pytest.mark.measured_isa
 def test_rounds_are_timed_in_a_random_order(tmp_path, rng):
     """Three distinct candidates (auto fuses the large bfloat16 site, declines
     the small float32 one; always fuses both): every round times each once,
