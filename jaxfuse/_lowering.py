@@ -11,7 +11,6 @@ recompiles instead of being ignored for functions already compiled.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 
 from jax.interpreters import mlir
@@ -29,7 +28,6 @@ DISABLE_KERNELS = C.jit_key_flag(
     "(default from JAXFUSE_DISABLE_KERNELS).")
 
 _warned: set[str] = set()
-
 
 
 @contextlib.contextmanager
@@ -114,7 +112,7 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
             inplace = None
         call = local_call(target, len(ctx.avals_out), attrs, inplace=inplace,
                           pace=pacing.paced(platform, ctx.avals_in, ctx.avals_out,
-                                                 params.get("pace")))
+                                            params.get("pace")))
         return mlir.lower_fun(call, multiple_results=len(ctx.avals_out) > 1)(ctx, *args)
 
     return lower

@@ -17,8 +17,7 @@ targets has FMA). A fused op reads its operands already rounded, so:
   * a product that varies along the innermost dimension but repeats along an
     outer one (`(1, C) * (1, C)` added to `(N, C)`) is contracted or not
     depending on how LLVM unrolls the outer loop (contracted for N = 64, not
-    for N = 3 with XLA:CPU; tests/test_contraction.py): the
-    site is declined.
+    for N = 3 with XLA:CPU; tests/test_contraction.py): the site is declined.
 
 The same holds one level up: an operand XLA computes outside the fused op is
 fused into the site's loop in `jax.jit`'s program, so every add in its

@@ -48,7 +48,7 @@ def adding_sites(closed, platform: str) -> frozenset:
     would not: operands written out for the call, or a pacing value."""
     found = set()
     for e in subjaxprs.all_eqns(closed):
-        facts = e.params.get("site_facts") if e.primitive in pacing._FUSED else None
+        facts = e.params.get("site_facts") if e.primitive in pacing.FUSED else None
         if facts is None:
             continue  # a user's own call of the fused op, not a site the pass chose
         if getattr(facts, "written_bytes", 0) > 0 or pacing.paced(

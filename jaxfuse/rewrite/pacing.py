@@ -29,7 +29,7 @@ from .. import _compat as C
 from .._primitive import add_relu_p, epilogue_p
 from . import subjaxprs
 
-_FUSED = (add_relu_p, epilogue_p)
+FUSED = (add_relu_p, epilogue_p)  # the primitives a rewrite fuses into
 # Output bytes from which a CPU call is paced.
 CPU_MIN_OUTPUT_BYTES = 512 << 10
 # XLA:CPU's inline limit is 1000 estimated flops; a wide margin over it.
@@ -76,7 +76,7 @@ def _flops(eqn) -> int:
 def xla_flops(closed) -> int:
     """A lower bound of the flops XLA:CPU estimates for `closed`'s own ops
     (every body counted once, the fused calls not at all)."""
-    return sum(_flops(e) for e in subjaxprs.all_eqns(closed) if e.primitive not in _FUSED)
+    return sum(_flops(e) for e in subjaxprs.all_eqns(closed) if e.primitive not in FUSED)
 
 
 def settle(closed):
@@ -84,7 +84,7 @@ def settle(closed):
     XLA work already puts it on XLA:CPU's pool; else `closed` itself."""
     fused = flops = 0
     for e in subjaxprs.all_eqns(closed):
-        if e.primitive in _FUSED:
+        if e.primitive in FUSED:
             fused += 1
         else:
             flops += _flops(e)
@@ -94,6 +94,6 @@ def settle(closed):
 
 
 def _unpaced(eqn):
-    if eqn.primitive in _FUSED:
+    if eqn.primitive in FUSED:
         return C.replace_params(eqn, {**eqn.params, "pace": False})
     return None
