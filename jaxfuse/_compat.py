@@ -333,6 +333,15 @@ def default_device():
     return dev if dev is not None else jax.devices()[0]
 
 
+# XLA:CPU hands convolutions, dots and the elementwise ops around them to
+# YNNPACK or XNNPACK as "library fusions" (`kind=kCustom`). Their intermediates
+# live in the library's own workspace, which `memory_analysis()` does not
+# count. Compiled with these options there are no library fusions, and every
+# intermediate is a buffer XLA's figures count.
+CPU_LIBRARY_FUSIONS_OFF = {"xla_cpu_experimental_ynn_fusion_type": "",
+                           "xla_cpu_experimental_xnn_fusion_type": ""}
+
+
 def is_extended_dtype(dtype) -> bool:
     """PRNG key arrays and other dtypes numpy cannot hold."""
     return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)

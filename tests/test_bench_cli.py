@@ -179,7 +179,7 @@ def test_cli_json_schema(quick_run):
         if r["mode"] == "unfused":  # two executables: no one program's memory
             assert r["memory"] is None and r["temp_ratio"] is None
         else:
-            assert set(r["memory"]) == set(workloads.MEMORY_FIELDS), r["memory"]
+            assert set(r["memory"]) == {*workloads.MEMORY_FIELDS, "library_fusions"}, r["memory"]
             for k in ("temp", "argument", "output", "alias"):
                 assert isinstance(r["memory"][k], int) and r["memory"][k] >= 0, (k, r["memory"])
         if r["mode"] == "xla":
@@ -434,8 +434,9 @@ def test_auto_beside_always_line_counts_missed_wins():
 
 
 # ------------------------------------------------------------------ memory
-def _mem(temp, argument=64, output=32, alias=0, peak=None):
-    return {"temp": temp, "argument": argument, "output": output, "alias": alias, "peak": peak}
+def _mem(temp, argument=64, output=32, alias=0, peak=None, **more):
+    return {"temp": temp, "argument": argument, "output": output, "alias": alias, "peak": peak,
+            **more}
 
 
 def test_memory_stats_of_whatever_memory_analysis_returns():
@@ -465,7 +466,7 @@ def test_inspect_records_the_compiled_programs_memory():
     ins = workloads.inspect(jax.jit(lambda x, y: jnp.sort(x) + y), a, a)
     expected = workloads.memory_stats(jax.jit(lambda x, y: jnp.sort(x) + y).lower(a, a).compile()
                                       .memory_analysis())
-    assert ins.memory == expected and ins.memory["argument"] == 2 * 4096
+    assert ins.memory == {**expected, "library_fusions": 0} and ins.memory["argument"] == 2 * 4096
     assert ins.memory["output"] == 4096
     # inspection never raises: a function that does not lower has no figures
     bad = workloads.inspect(lambda x: x.no_such_method(), a)
@@ -531,6 +532,20 @@ def test_memory_ratios_table_and_summary():
     table = report.format_table(recs)
     assert re.search(r"sites/calls\s+temp\s+temp/xla$", table.splitlines()[0]), table
     assert "temp/xla = that / xla's (1 when both are 0)" in report.legend(None)
+    assert report.LIBRARY_FUSIONS_NOTE not in table
+
+
+def test_a_temp_figure_that_leaves_out_library_fusions_is_marked():
+    recs = [_mrec("xla", "cnn", 2560, library_fusions=2),
+            _mrec("jaxfuse-always", "cnn", 6291840, library_fusions=7),
+            _mrec("xla", "mlp", 1000), _mrec("jaxfuse-always", "mlp", 1000, library_fusions=0)]
+    report.attach_memory_ratios(recs)
+    cell = {(row[0], row[5]): row[-2] for row in report.table_rows(recs)}
+    assert cell[("cnn", "xla")] == "2.5 KiB*" and cell[("cnn", "jaxfuse-always")] == "6 MiB*"
+    assert cell[("mlp", "xla")] == "1000 B" and cell[("mlp", "jaxfuse-always")] == "1000 B"
+    table = report.format_table(recs).splitlines()
+    assert table[-1] == report.LIBRARY_FUSIONS_NOTE
+    assert "leaves out what they hold" in report.LIBRARY_FUSIONS_NOTE
 
     # Without any memory figure (older files, other backends) there is no memory line.
     bare = [_mrec("xla", "mlp", None), _mrec("jaxfuse", "mlp", None)]

@@ -9,7 +9,9 @@ TIES -- the samples cannot tell the two apart.
 Memory is not sampled: each record carries the compiled program's memory as
 XLA reports it (``memory``: temp, argument, output, alias and peak bytes; see
 ``workloads.memory_stats``), the same on every run of the same program, so
-its ``temp_ratio`` to xla's temp bytes is exact and has no interval.
+its ``temp_ratio`` to xla's temp bytes is exact and has no interval. The
+figure leaves out what XLA:CPU's library fusions hold in their own workspace;
+``library_fusions`` counts them, and the table marks such programs' temp.
 """
 
 from __future__ import annotations
@@ -321,7 +323,8 @@ def table_rows(records: Sequence[dict]) -> list[tuple]:
                     f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "",
                     (r.get("verdict") or "") if mode in JAXFUSE_MODES else "",
                     _fmt(unf, ".2f", none=""), impl, sites,
-                    human_bytes(temp_bytes(r)), _temp_ratio_cell(r, xla_temps.get((wl, dt, shape))),
+                    human_bytes(temp_bytes(r)) + ("*" if _library_fusions(r) else ""),
+                    _temp_ratio_cell(r, xla_temps.get((wl, dt, shape))),
                 ))
     return rows
 
@@ -343,7 +346,19 @@ def format_table(records: Sequence[dict]) -> str:
             out.append("")
         prev = key
         out.append(line(row))
+    if any(_library_fusions(r) for r in records):
+        out += ["", LIBRARY_FUSIONS_NOTE]
     return "\n".join(out)
+
+
+LIBRARY_FUSIONS_NOTE = (
+    "* the compiled program has XLA:CPU library fusions (YNNPACK, XNNPACK): XLA's temp "
+    "figure leaves out what they hold in the library's own workspace "
+    "(bench/probes/peak_rss.py measures a call's real growth)")
+
+
+def _library_fusions(r: dict) -> int:
+    return (r.get("memory") or {}).get("library_fusions") or 0
 
 
 # ----------------------------------------------------------------- verdicts

@@ -58,6 +58,7 @@ from jax import lax
 
 import jaxfuse
 from jaxfuse.rewrite import epilogues as _epilogues
+from jaxfuse.rewrite import memory as _memory
 
 OP_MODES = ("unfused", "xla", "jaxfuse")
 MODEL_MODES = ("xla", "jaxfuse", "jaxfuse-always")
@@ -346,6 +347,8 @@ def inspect(fn: Callable, *args, mode: str = "xla", policy: str | None = None,
     if compiled is not None:
         try:
             mem = memory_stats(compiled.memory_analysis())
+            if mem is not None:
+                mem["library_fusions"] = _memory.library_fusion_count(compiled)
         except Exception:  # noqa: BLE001
             pass
     return Inspection(xb, calls, sites, declined, rejected,

@@ -44,6 +44,11 @@ def library_fused(closed: C.ClosedJaxpr) -> set[int]:
     return tagged_in_library_fusions(text)
 
 
+def library_fusion_count(text: str) -> int:
+    """How many library fusions (`kind=kCustom`) an optimized HLO module's text holds."""
+    return sum(1 for line in text.splitlines() if _FUSION.search(line))
+
+
 def tagged_in_library_fusions(text: str) -> set[int]:
     """Probe numbers named inside the computations that `kind=kCustom` fusions
     (XLA:CPU's library fusions: YNNPACK, XNNPACK, oneDNN) call, in an

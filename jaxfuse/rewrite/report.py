@@ -215,6 +215,12 @@ class Report:
                       f"{'+' if opt > jit else '-'}{human_bytes(abs(opt - jit))}{ratio}")
             summary += (f"\ncompiled temp bytes: {human_bytes(jit)} with jax.jit, "
                         f"{human_bytes(opt)} optimized ({change})")
+            hidden = [f"{n} in {where}" for where, n in (
+                ("jax.jit's program", self.memory["jit"].get("library_fusions", 0)),
+                ("the optimized one", self.memory["optimized"].get("library_fusions", 0))) if n]
+            if hidden:
+                summary += ("\n  (XLA's temp figures leave out what XLA:CPU's library fusions "
+                            f"hold in their own workspace: {' and '.join(hidden)})")
         if not rows:
             return f"jaxfuse: no candidate sites ({summary})"
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]

@@ -470,7 +470,9 @@ def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
         args = _inputs(closed, mesh=mesh)
         compiled = {name: _compiled(v, args) for name, v in distinct.items()}
     temps = {name: _temp_bytes(fn) for name, fn in compiled.items()}
-    if temps.get(baseline) is not None:
+    from . import memory
+
+    if temps.get(baseline) is not None and memory.CHECKING:
         compiled = {name: fn for name, fn in compiled.items() if name == baseline
                     or temps[name] is None or temps[name] <= temps[baseline]}
     # Warm-up (allocation, first touch), waited for by polling: a program that
