@@ -27,7 +27,7 @@ import re
 import jax
 
 from .. import _compat as C
-from . import subjaxprs, tuning
+from . import pacing, subjaxprs, tuning
 from .cost import PROBE_SCOPE, PROBING, XLA_FUSES_REASON
 
 _FUSION = re.compile(r"=\s*\S+\s+fusion\(.*kind=kCustom.*calls=(%[\w.\-]+)")
@@ -103,6 +103,8 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
             and len(again_report.fused) == len(report.fused) - len(numbers)):
         again = mark(new, numbers)
         again_report = _marked_report(report, numbers, again)
+    # Timed as they will run: with the pacing their program settles on.
+    again, new = pacing.settle(again), pacing.settle(new)
     n = len(numbers)
     sites = f"{n} site{'s' * (n != 1)} XLA:CPU fuses into a library fusion"
     candidates = {"given_back": again, "kept": new}

@@ -51,6 +51,7 @@ import random
 import statistics
 import threading
 import time
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -210,8 +211,45 @@ DEFAULT = Autotuner()
 SETTLING = Autotuner(rounds=5, budget_s=1.0)
 
 
-def _fingerprint(program) -> str:
-    return hashlib.sha256(str(program).encode()).hexdigest()
+# Printing a large jaxpr takes a tenth of a second (hk.nets.ResNet50), and one
+# decision prints the same programs several times: once per program object.
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FINGERPRINTS_LOCK = threading.Lock()
+
+
+def fingerprint(program) -> str:
+    """A hash of `program`'s text, computed once per program object."""
+    with _FINGERPRINTS_LOCK:
+        known = _FINGERPRINTS.get(program)
+    if known is None:
+        known = hashlib.sha256(str(program).encode()).hexdigest()
+        with _FINGERPRINTS_LOCK:
+            _FINGERPRINTS[program] = known
+    return known
+
+
+# Temp bytes XLA reported for the candidates `_time` compiled, by device and
+# program: the memory check (memory.py) compiles the program auto chose, often
+# one of them.
+_TEMP_BYTES: dict[tuple, int] = {}
+_TEMP_BYTES_KEPT = 64
+
+
+def _temp_key(program) -> tuple:
+    device = C.default_device()
+    return device.platform, device.device_kind, fingerprint(program)
+
+
+def seen_temp_bytes(program) -> int | None:
+    """The temp bytes XLA reported for `program` when a tuner compiled it for
+    the default device in this process, or None."""
+    return _TEMP_BYTES.get(_temp_key(program))
+
+
+def _remember_temp(program, temp: int) -> None:
+    if len(_TEMP_BYTES) >= _TEMP_BYTES_KEPT:
+        _TEMP_BYTES.pop(next(iter(_TEMP_BYTES)))
+    _TEMP_BYTES[_temp_key(program)] = temp
 
 
 def _key(closed, variants: dict, patterns) -> dict:
@@ -226,9 +264,9 @@ def _key(closed, variants: dict, patterns) -> dict:
     consts = [f"{np.asarray(c).dtype}{list(np.shape(c))}" for c in closed.consts]
     return {"device": device.device_kind, "platform": device.platform,
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "jaxfuse": __version__,
-            "jaxpr": _fingerprint(closed.jaxpr), "args": avals, "consts": consts,
+            "jaxpr": fingerprint(closed.jaxpr), "args": avals, "consts": consts,
             "patterns": sorted(p.name for p in patterns),
-            "candidates": {name: _fingerprint(v) for name, v in variants.items()}}
+            "candidates": {name: fingerprint(v) for name, v in variants.items()}}
 
 
 def untimeable(closed) -> str | None:
@@ -438,7 +476,8 @@ def _distinct(candidates: dict) -> dict:
     """The candidates, each distinct program once (under its first name)."""
     distinct: dict[str, object] = {}
     for name, variant in candidates.items():
-        if not any(variant is v or str(variant) == str(v) for v in distinct.values()):
+        if not any(variant is v or fingerprint(variant) == fingerprint(v)
+                   for v in distinct.values()):
             distinct[name] = variant
     return distinct
 
@@ -470,6 +509,10 @@ def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
         args = _inputs(closed, mesh=mesh)
         compiled = {name: _compiled(v, args) for name, v in distinct.items()}
     temps = {name: _temp_bytes(fn) for name, fn in compiled.items()}
+    if mesh is None:  # compiled as memory.py compiles them: for the default device
+        for name, temp in temps.items():
+            if temp is not None:
+                _remember_temp(distinct[name], temp)
     from . import memory
 
     if temps.get(baseline) is not None and memory.CHECKING:
