@@ -137,6 +137,29 @@ def test_auto_times_the_sites_xla_takes_and_remembers(winner):
     assert "given back, timed faster" in report.measured
 
 
+def test_the_probe_compiles_a_program_once(monkeypatch):
+    """Which sites XLA takes into a library fusion is stored with the tuner's
+    decisions: a program's later first calls skip the probe's compile."""
+    from jaxfuse.rewrite.api import rewrite_for
+    from jaxfuse.rewrite.patterns import resolve
+
+    f, args = _chain(True), _chain_args()
+    closed = jax.make_jaxpr(f)(*args)
+    tuner = _prefer("given_back")
+    compiles = []
+    real = probe.library_fused
+    monkeypatch.setattr(probe, "library_fused", lambda c: compiles.append(1) or real(c))
+    first = rewrite_for(closed, resolve(None), "auto", "cpu", tuner=tuner)[1]
+    assert len(compiles) == 1
+    again = rewrite_for(closed, resolve(None), "auto", "cpu", tuner=tuner)[1]
+    assert len(compiles) == 1  # read back
+    assert [s.reason for s in again.sites] == [s.reason for s in first.sites]
+    # XLA_FLAGS can turn library fusions off: another key
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")
+    rewrite_for(closed, resolve(None), "auto", "cpu", tuner=tuner)
+    assert len(compiles) == 2
+
+
 def test_a_program_whose_sites_all_go_back_is_jits_own():
     from jaxfuse.rewrite.api import rewrite_for
     from jaxfuse.rewrite.patterns import resolve

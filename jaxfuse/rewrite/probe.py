@@ -22,6 +22,7 @@ stores its own).
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import jax
@@ -95,7 +96,8 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
     (they lower to XLA's ops). Returns (jaxpr, report)."""
     if not model.probed:
         return new, report
-    numbers = library_fused(new)
+    tuner = tuner or tuning.SETTLING
+    numbers = _stored_library_fused(closed, new, patterns, tuner.cache)
     if not numbers:
         return new, report
     again, again_report = rewrite_again(frozenset(numbers))
@@ -108,7 +110,6 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
     n = len(numbers)
     sites = f"{n} site{'s' * (n != 1)} XLA:CPU fuses into a library fusion"
     candidates = {"given_back": again, "kept": new}
-    tuner = tuner or tuning.SETTLING
     why_not = tuning.untimeable(closed)
     if why_not is None and time_it:
         choice, measured = tuning.choose_among(closed, candidates, patterns, tuner,
@@ -127,6 +128,24 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
                                     f"not timed ({why_not})" if why_not else
                                     "not timed yet (optimize times them on its first call)"))
     return again, again_report
+
+
+def _stored_library_fused(closed, new, patterns, cache) -> set[int]:
+    """`library_fused(new)`, stored with the tuner's decisions (per program,
+    device, versions and XLA_FLAGS, which can turn library fusions off), so a
+    program compiles for the probe once; computed afresh where the key cannot
+    be made (constants of an enclosing trace)."""
+    try:
+        key = {**tuning._key(closed, {"probed": new}, patterns),
+               "decision": "library fused", "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    except Exception:  # noqa: BLE001 - no key, no storing
+        return library_fused(new)
+    entry = cache.entry(key)
+    if entry is not None and isinstance(entry.get("library_fused"), list):
+        return set(entry["library_fused"])
+    numbers = library_fused(new)
+    cache.put(key, "probed", {}, library_fused=sorted(numbers))
+    return numbers
 
 
 def given_back(report) -> frozenset:
