@@ -248,3 +248,47 @@ def test_explain_says_where_xla_figures_leave_out_library_fusions(rng):
     assert plain.memory["jit"]["library_fusions"] == 0
     assert plain.memory["optimized"]["library_fusions"] == 0
     assert "library fusions" not in str(plain)
+
+
+def _one_layer_grad(rng):
+    x = jnp.asarray(rng.standard_normal((128, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 512)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((512,)), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((512, 10)), jnp.float32)
+
+    def loss(w, b, w2, x):
+        h = jax.nn.relu(x @ w + b)
+        return jnp.sum((h @ w2) ** 2)
+
+    return jax.grad(loss, argnums=(0, 1, 2)), (w, b, w2, x)
+
+
+def test_explain_gives_the_bytes_each_fused_call_saves_or_costs(rng):
+    """`memory="calls"`: per fused call, the program with that call given back
+    to XLA's ops against as it is. With one call, that is the whole saving."""
+    step, args = _one_layer_grad(rng)
+    report = jaxfuse.explain(step, *args, policy="always", memory="calls")
+    (call,) = report.memory["calls"]
+    assert call.saves == report.memory["jit"]["temp"] - report.memory["optimized"]["temp"] > 0
+    assert call.shape == (128, 512) and call.dtype == "float32"
+    assert call.location == (__file__, _one_layer_grad.__code__.co_firstlineno + 7)
+    from jaxfuse.rewrite.report import human_bytes
+    assert re.search(rf"test_memory.py:\d+  float32\[128, 512\]  saves {human_bytes(call.saves)}$",
+                     str(report), re.M), str(report)
+    # One figure per fused call, each the program's own: resnet_block's cost bytes.
+    from jaxfuse.bench import models as M
+
+    spec = M.BUILDERS["resnet_block"](M.size_for("resnet_block", "quick"), jnp.float32,
+                                      jax.random.PRNGKey(0))
+    data = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s, _ in spec.data_shapes]
+    block = jaxfuse.explain(spec.fn, spec.params, *data, policy="always", memory="calls")
+    assert len(block.memory["calls"]) == len(block.fused) == 2
+    assert all(c.saves < 0 for c in block.memory["calls"])  # per-channel operands written out
+    assert "costs" in str(block)
+    assert jaxfuse.explain(step, *args, policy="always", memory=True).memory.get("calls") is None
+
+
+def test_explain_names_a_bad_memory_argument(rng):
+    step, args = _one_layer_grad(rng)
+    with pytest.raises(ValueError, match="memory must be False, True or 'calls', got 'sites'"):
+        jaxfuse.explain(step, *args, memory="sites")

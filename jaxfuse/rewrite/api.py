@@ -222,7 +222,7 @@ def measured_choice(closed, patterns, autotuner=None, platform: str | None = Non
     candidates = {"xla": closed, "auto": auto,
                   "always": pacing.settle(rewrite(closed, patterns)[0])}
     return candidates[tuning.choose_among(closed, candidates, patterns, tuner, default="auto",
-                                          baseline="xla")[0]]
+                                          baseline="xla", check_memory=_memory.CHECKING)[0]]
 
 
 def _weak(fun):
@@ -259,7 +259,7 @@ def _same(held, fun) -> bool:
 
 # ------------------------------------------------------------------ explain
 def explain(fun: Callable, *args, policy: str | None = None, platform: str | None = None,
-            memory: bool = False, **kwargs) -> Report:
+            memory: bool | str = False, **kwargs) -> Report:
     """Which sites of `fun(*args, **kwargs)` `optimize` fuses, and why not the rest.
 
     Arguments may be arrays, Python scalars or `jax.ShapeDtypeStruct`s; other
@@ -272,8 +272,13 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
     are made for (default: the arguments' devices, else the default backend,
     as jit does). `memory=True` also compiles the program as traced and as
     rewritten, for the default device, and reports the bytes XLA says each
-    holds (`report.memory`; a line of the printed report).
+    holds (`report.memory`; a line of the printed report). `memory="calls"`
+    also gives, per fused call, the temp bytes it saves or costs
+    (`report.memory["calls"]`, `memory.CallBytes`): the program compiled with
+    that call given back to XLA's ops, against as it is (one compile per call).
     """
+    if memory not in (False, True, "calls"):
+        raise ValueError(f"jaxfuse.explain: memory must be False, True or 'calls', got {memory!r}")
     _check_callable(fun)
     info = _info(fun)
     if info is None:
@@ -297,6 +302,8 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
     if memory:
         report.memory = {"jit": _memory.compiled_memory(closed),
                          "optimized": _memory.compiled_memory(report.jaxpr)}
+        if memory == "calls":
+            report.memory["calls"] = _memory.per_call(report.jaxpr)
     return report
 
 

@@ -28,10 +28,10 @@ import re
 import jax
 
 from .. import _compat as C
-from . import pacing, subjaxprs, tuning
+from . import memory, pacing, subjaxprs, tuning
 from .cost import PROBE_SCOPE, PROBING, XLA_FUSES_REASON
 
-_FUSION = re.compile(r"=\s*\S+\s+fusion\(.*kind=kCustom.*calls=(%[\w.\-]+)")
+_FUSION = memory.LIBRARY_FUSION
 _COMPUTATION = re.compile(r"^(%[\w.\-]+)\s+\(", re.M)
 
 
@@ -43,11 +43,6 @@ def library_fused(closed: C.ClosedJaxpr) -> set[int]:
     with PROBING(True):
         text = jax.jit(lambda *a: C.inline_closed(closed, *a)).lower(*avals).compile().as_text()
     return tagged_in_library_fusions(text)
-
-
-def library_fusion_count(text: str) -> int:
-    """How many library fusions (`kind=kCustom`) an optimized HLO module's text holds."""
-    return sum(1 for line in text.splitlines() if _FUSION.search(line))
 
 
 def tagged_in_library_fusions(text: str) -> set[int]:
@@ -113,7 +108,8 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
     why_not = tuning.untimeable(closed)
     if why_not is None and time_it:
         choice, measured = tuning.choose_among(closed, candidates, patterns, tuner,
-                                               default="given_back", baseline="given_back")
+                                               default="given_back", baseline="given_back",
+                                               check_memory=memory.CHECKING)
     elif why_not is None:
         choice = tuning.stored_choice(closed, candidates, patterns, tuner)
         measured = choice is not None

@@ -47,16 +47,20 @@ class _Located:
     @property
     def location(self) -> str:
         """`file:line` of the user's code (relative to the cwd when inside it)."""
-        fl = self.file_line
-        if fl is None:
-            return "<unknown>"
-        file, line = fl
-        try:
-            rel = os.path.relpath(file)
-            file = rel if not rel.startswith("..") else file
-        except ValueError:  # different drive on Windows
-            pass
-        return f"{file}:{line}"
+        return format_location(self.file_line)
+
+
+def format_location(file_line: tuple[str, int] | None) -> str:
+    """`file:line`, relative to the cwd when inside it."""
+    if file_line is None:
+        return "<unknown>"
+    file, line = file_line
+    try:
+        rel = os.path.relpath(file)
+        file = rel if not rel.startswith("..") else file
+    except ValueError:  # different drive on Windows
+        pass
+    return f"{file}:{line}"
 
 
 @dataclasses.dataclass(eq=False)
@@ -221,6 +225,8 @@ class Report:
             if hidden:
                 summary += ("\n  (XLA's temp figures leave out what XLA:CPU's library fusions "
                             f"hold in their own workspace: {' and '.join(hidden)})")
+            if self.memory.get("calls") is not None:
+                summary += _per_call_lines(self.memory["calls"])
         if not rows:
             return f"jaxfuse: no candidate sites ({summary})"
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
@@ -228,6 +234,18 @@ class Report:
         lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
         lines += [fmt.format(*r).rstrip() for r in rows]
         return "\n".join([*lines, summary])
+
+
+def _per_call_lines(calls) -> str:
+    if not calls:
+        return "\ntemp bytes per fused call: no fused calls"
+    lines = ["\ntemp bytes per fused call (against the program with that call given back to "
+             "XLA's ops; one compile each):"]
+    for c in calls:
+        what = (f"saves {human_bytes(c.saves)}" if c.saves > 0 else
+                f"costs {human_bytes(-c.saves)}" if c.saves < 0 else "no change")
+        lines.append(f"  {format_location(c.location)}  {c.dtype}{list(c.shape)}  {what}")
+    return "\n".join(lines)
 
 
 def _memory_note(site) -> str:

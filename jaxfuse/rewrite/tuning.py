@@ -405,13 +405,14 @@ def _within(limit_s: float, what: str, fn: Callable[[], object]):
 
 
 def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: str,
-                 baseline: str):
+                 baseline: str, check_memory: bool = True):
     """(name, measured) of the fastest of `candidates` (name -> ClosedJaxpr
     computing what `closed` computes), timed as `policy="measure"` times them and
     remembered under the same kind of key; `default` when they cannot be
     timed (`measured` False: `tuner.skipped` says why). No candidate holding
     more temp bytes than `baseline` is timed (the first of them, when they
-    compile to the same program)."""
+    compile to the same program), unless `check_memory` is False
+    (`memory.CHECKING`)."""
     distinct = _distinct(candidates)
     if len(distinct) == 1:
         return default, False
@@ -442,7 +443,8 @@ def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: 
     try:
         mesh = _timing_mesh(closed)
         times = _in_clean_thread(lambda: _time(tuner, distinct, closed, key_text, limit,
-                                               baseline, mesh, fixed_rounds=several))
+                                               baseline, mesh, fixed_rounds=several,
+                                               check_memory=check_memory))
     except _Overrun as e:
         reason = (f"{e.args[0]} did not end within the run limit of {limit:g} s on "
                   f"stand-in data (Autotuner.run_limit_s; default budget_s, at least 1 s)")
@@ -498,7 +500,7 @@ def _temp_bytes(compiled) -> int | None:
 
 
 def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
-          baseline: str, mesh=None, fixed_rounds: bool = False) -> dict:
+          baseline: str, mesh=None, fixed_rounds: bool = False, check_memory: bool = True) -> dict:
     """{candidate: [seconds per round]}; raises `_Overrun` when a run does not
     end within `limit` seconds. A candidate whose compiled program holds more
     temp bytes than XLA's own is not timed: it is
@@ -513,9 +515,7 @@ def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
         for name, temp in temps.items():
             if temp is not None:
                 _remember_temp(distinct[name], temp)
-    from . import memory
-
-    if temps.get(baseline) is not None and memory.CHECKING:
+    if temps.get(baseline) is not None and check_memory:
         compiled = {name: fn for name, fn in compiled.items() if name == baseline
                     or temps[name] is None or temps[name] <= temps[baseline]}
     # Warm-up (allocation, first touch), waited for by polling: a program that
