@@ -46,8 +46,8 @@ CHECKING = True
 
 def temp_bytes(closed, *, materialized: bool = False) -> int:
     """The temp bytes XLA reports for `closed` compiled for the default device
-    (`materialized`: with XLA:CPU's library fusions off, so that every
-    intermediate is a buffer XLA counts)."""
+    (`materialized`, a CPU device only: with XLA:CPU's library fusions off, so
+    that every intermediate is a buffer XLA counts)."""
     if not materialized:
         seen = tuning.seen_temp_bytes(closed)
         if seen is not None:
