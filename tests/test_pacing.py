@@ -110,6 +110,10 @@ def test_a_program_busy_without_it_gets_no_pacing_value(rng):
     grads = jax.grad(lambda a, w, b: jnp.sum(jaxfuse.optimize(f, policy="always")(a, w, b)),
                      (0, 1, 2))
     assert all(n == 2 for n in _operands_of_calls(jax.jit(grads).lower(a, w, b).as_text()))
+    # Settling a settled program keeps it (its identity keys the tuner's fingerprints).
+    settled = jaxfuse.explain(f, a, w, b, policy="always").jaxpr
+    assert all(e.params["pace"] is False for e in settled.eqns if e.primitive in pacing.FUSED)
+    assert pacing.settle(settled) is settled
     # Alone, the same call is paced.
     y = jax.ShapeDtypeStruct((ROWS, 1024), np.float32)  # what a @ w is, without computing it
     alone = jax.jit(jaxfuse.optimize(_relu_add, policy="always")).lower(y, b)

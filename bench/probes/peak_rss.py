@@ -70,9 +70,8 @@ def _child(workload: str, mode: str, size: str) -> dict:
         fn = jaxfuse.optimize(spec.fn, policy=mode)
     for _ in range(3):
         jax.block_until_ready(fn(spec.params, *data))
-    closed = jax.make_jaxpr(spec.fn)(spec.params, *data)
-    if mode != "jit":
-        closed = jaxfuse.explain(fn, spec.params, *data).jaxpr
+    closed = (jax.make_jaxpr(spec.fn)(spec.params, *data) if mode == "jit" else
+              jaxfuse.explain(fn, spec.params, *data).jaxpr)
     growth = []
     for _ in range(CALLS):
         time.sleep(0.2)  # the last call's buffers may be freed after its results are ready

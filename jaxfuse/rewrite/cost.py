@@ -494,6 +494,15 @@ XLA_FUSES_REASON = (
     "around it (seen in the program it compiles); a custom call would split that fusion")
 
 
+def give_back_to_xla(eqn):
+    """A fused call's equation marked to lower to XLA's own ops (`platform_reason`
+    reads `xla_fuses`), as a site the probe gives back to XLA's fusion."""
+    facts = eqn.params.get("site_facts") or SiteFacts(
+        pattern=eqn.primitive.name, elements=0, dtype="", producers=(), consumers=())
+    return C.replace_params(eqn, {**eqn.params,
+                                  "site_facts": dataclasses.replace(facts, xla_fuses=True)})
+
+
 def in_conv_band(facts: SiteFacts | None, platform: str) -> bool:
     """Whether a conv band (not the op thresholds) decides this site."""
     p = PLATFORMS.get(platform)

@@ -32,7 +32,7 @@ import jax
 
 from .. import _compat as C
 from . import pacing, subjaxprs, tuning
-from .cost import SiteFacts, site_key
+from .cost import give_back_to_xla, site_key
 from .report import human_bytes
 
 # A library fusion's line in an optimized HLO module's text, naming the computation it calls.
@@ -89,19 +89,12 @@ def per_call(closed) -> list[CallBytes]:
     base = temp_bytes(closed)
     out = []
     for target in calls:
-        without = subjaxprs.map_eqns(closed, lambda e, t=target: _given_back(e) if e is t else None)
+        without = subjaxprs.map_eqns(
+            closed, lambda e, t=target: give_back_to_xla(e) if e is t else None)
         aval = target.outvars[0].aval
         out.append(CallBytes(C.user_frame(target.source_info), tuple(aval.shape),
                              str(aval.dtype), temp_bytes(without) - base))
     return out
-
-
-def _given_back(eqn):
-    """`eqn` lowered to XLA's own ops (as a site the probe gives back)."""
-    facts = eqn.params.get("site_facts") or SiteFacts(
-        pattern=eqn.primitive.name, elements=0, dtype="", producers=(), consumers=())
-    return C.replace_params(eqn, {**eqn.params,
-                                  "site_facts": dataclasses.replace(facts, xla_fuses=True)})
 
 
 def library_fusion_count(compiled) -> int:

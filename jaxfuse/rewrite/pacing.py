@@ -94,6 +94,8 @@ def settle(closed):
 
 
 def _unpaced(eqn):
-    if eqn.primitive in FUSED:
-        return C.replace_params(eqn, {**eqn.params, "pace": False})
-    return None
+    if eqn.primitive not in FUSED:
+        return None
+    if eqn.params.get("pace") is False:
+        return eqn  # settled already: the program keeps its identity (and fingerprint)
+    return C.replace_params(eqn, {**eqn.params, "pace": False})

@@ -29,9 +29,8 @@ import jax
 
 from .. import _compat as C
 from . import memory, pacing, subjaxprs, tuning
-from .cost import PROBE_SCOPE, PROBING, XLA_FUSES_REASON
+from .cost import PROBE_SCOPE, PROBING, XLA_FUSES_REASON, give_back_to_xla
 
-_FUSION = memory.LIBRARY_FUSION
 _COMPUTATION = re.compile(r"^(%[\w.\-]+)\s+\(", re.M)
 
 
@@ -51,7 +50,7 @@ def tagged_in_library_fusions(text: str) -> set[int]:
     optimized HLO module's text."""
     called = set()
     for line in text.splitlines():
-        m = _FUSION.search(line)
+        m = memory.LIBRARY_FUSION.search(line)
         if m:
             called.add(m.group(1))
     found = set()
@@ -69,10 +68,7 @@ def mark(closed: C.ClosedJaxpr, numbers: set[int]) -> C.ClosedJaxpr:
     """`closed` with the probed sites `numbers` given back to XLA."""
     def give_back(eqn):
         facts = eqn.params.get("site_facts")
-        if getattr(facts, "probe", -1) not in numbers:
-            return None
-        return C.replace_params(eqn, {**eqn.params,
-                                      "site_facts": dataclasses.replace(facts, xla_fuses=True)})
+        return give_back_to_xla(eqn) if getattr(facts, "probe", -1) in numbers else None
 
     return subjaxprs.map_eqns(closed, give_back)
 
