@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import site
+import sysconfig
 import warnings
 from typing import Any, Iterable
 
@@ -35,6 +37,14 @@ JIT_NAMES = frozenset({"jit", "pjit"})
 CHECKPOINT_NAMES = frozenset({"remat2", "checkpoint", "remat"})
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The benchmark's models are user code to the pass: their lines are what
+# explain names, though they ship inside the package.
+_BENCH_DIR = os.path.join(_PACKAGE_DIR, "bench") + os.sep
+# Installed packages (flax, haiku, equinox layers): a site in a library's layer
+# is reported at the line of the user's code that called it, where there is one.
+_INSTALLED_DIRS = tuple(sorted({os.path.join(os.path.abspath(p), "") for p in (
+    *(sysconfig.get_paths().get(k) for k in ("purelib", "platlib")),
+    *getattr(site, "getsitepackages", lambda: [])()) if p}))
 
 
 # ------------------------------------------------------------- private, guarded
@@ -245,12 +255,36 @@ def user_frame(source_info) -> tuple[str, int] | None:
 
 
 def user_frame_of_traceback(tb) -> tuple[str, int] | None:
+    """The innermost frame outside jax and jaxfuse, preferring one outside
+    installed packages (the user's call of a flax layer over the layer's own
+    line)."""
     if tb is None:
         return None
+    found = None
     for frame in _user_frames(tb):
-        if not frame.file_name.startswith(_PACKAGE_DIR):
+        if _is_own_file(frame.file_name):
+            continue
+        if not frame.file_name.startswith(_INSTALLED_DIRS):
             return frame.file_name, frame.start_line
+        found = found or (frame.file_name, frame.start_line)
+    return found
+
+
+def installed_frame(source_info) -> tuple[str, int] | None:
+    """(path inside its package directory, line) of the innermost frame in an
+    installed package (the flax or haiku layer a site came from), if that
+    frame is inside the user's code's call (not a wrapper around it)."""
+    tb = getattr(source_info, "traceback", None)
+    for frame in _user_frames(tb) if tb is not None else ():
+        if _is_own_file(frame.file_name):
+            continue
+        root = next((r for r in _INSTALLED_DIRS if frame.file_name.startswith(r)), None)
+        return None if root is None else (frame.file_name[len(root):], frame.start_line)
     return None
+
+
+def _is_own_file(path: str) -> bool:
+    return path.startswith(_PACKAGE_DIR) and not path.startswith(_BENCH_DIR)
 
 
 def current_user_frame() -> tuple[str, int] | None:
@@ -313,7 +347,7 @@ def definition_site(fun) -> tuple[str, int] | None:
     location of last resort (tracebacks stop at the trace's entry, so a
     jax-wrapped function passed in directly records no user frame)."""
     code = getattr(unwrap_function(fun), "__code__", None)
-    if code is None or code.co_filename.startswith(_PACKAGE_DIR):
+    if code is None or _is_own_file(code.co_filename):
         return None
     if not _is_user_filename(code.co_filename):
         return None

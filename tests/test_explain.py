@@ -94,6 +94,37 @@ def test_location_is_a_file_line_of_user_code(report):
         assert s.location.endswith(f"test_explain.py:{line}")
 
 
+def test_a_site_in_a_library_layer_names_the_users_line_and_the_layers():
+    nn = pytest.importorskip("flax.linen", reason="needs flax")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.relu(nn.BatchNorm(use_running_average=True)(x))  # <layer>
+
+    x = jnp.ones((2, 4, 4, 8), jnp.float32)
+    params = Net().init(jax.random.key(0), x)
+    (site,) = explain_all(lambda p, x: Net().apply(p, x), params, x).fused
+    user, layer = site.location.split(" ")
+    assert user.endswith(line_of("layer")), site.location
+    assert layer.startswith("(flax/linen/normalization.py:") and layer.endswith(")")
+    assert site.layer_line[0] == "flax/linen/normalization.py"
+
+
+def test_the_benchmarks_own_models_are_user_code():
+    from jaxfuse.bench import workloads
+
+    params = workloads.init_resnet_params(jax.random.key(0), 8, jnp.float32)
+    x = jnp.ones((1, 4, 4, 8), jnp.float32)
+    report = explain_all(workloads.resnet_block, x, params)
+    assert report.fused
+    first = workloads.resnet_block.__code__.co_firstlineno
+    for s in report.fused:
+        file, line = s.file_line
+        assert file == workloads.__file__ and first < line <= first + 4, s.location
+        assert s.location.endswith(f"workloads.py:{line}")
+
+
 def test_str_is_a_readable_table(report):
     text = str(report)
     lines = text.splitlines()

@@ -45,9 +45,28 @@ class _Located:
         return cached
 
     @property
+    def layer_line(self) -> tuple[str, int] | None:
+        """(path inside its package, line) of the installed library's code the
+        site came from (a flax or haiku layer), if any."""
+        cached = self.__dict__.get("_layer_line", ())
+        if cached == ():
+            cached = next(filter(None, map(C.installed_frame, self._sources)), None)
+            self.__dict__["_layer_line"] = cached
+        return cached
+
+    @property
     def location(self) -> str:
-        """`file:line` of the user's code (relative to the cwd when inside it)."""
-        return format_location(self.file_line)
+        """`file:line` of the user's code (relative to the cwd when inside it),
+        and the library layer's line after it where the site came from one
+        (`models.py:40 (haiku/_src/nets/resnet.py:120)`)."""
+        user, layer = self.file_line, self.layer_line
+        if layer is None or user is None or _same_file_line(user, layer):
+            return format_location(user or (layer and ("site-packages/" + layer[0], layer[1])))
+        return f"{format_location(user)} ({layer[0]}:{layer[1]})"
+
+
+def _same_file_line(full: tuple[str, int], inside: tuple[str, int]) -> bool:
+    return full[1] == inside[1] and full[0].endswith(inside[0])
 
 
 def format_location(file_line: tuple[str, int] | None) -> str:
