@@ -44,7 +44,8 @@ _BENCH_DIR = os.path.join(_PACKAGE_DIR, "bench") + os.sep
 # is reported at the line of the user's code that called it, where there is one.
 _INSTALLED_DIRS = tuple(sorted({os.path.join(os.path.abspath(p), "") for p in (
     *(sysconfig.get_paths().get(k) for k in ("purelib", "platlib")),
-    *getattr(site, "getsitepackages", lambda: [])()) if p}))
+    *getattr(site, "getsitepackages", lambda: [])(),
+    getattr(site, "getusersitepackages", lambda: None)()) if p}))
 
 
 # ------------------------------------------------------------- private, guarded

@@ -61,7 +61,7 @@ class _Located:
         (`models.py:40 (haiku/_src/nets/resnet.py:120)`)."""
         user, layer = self.file_line, self.layer_line
         if layer is None or user is None or _same_file_line(user, layer):
-            return format_location(user or (layer and ("site-packages/" + layer[0], layer[1])))
+            return format_location(user)
         return f"{format_location(user)} ({layer[0]}:{layer[1]})"
 
 
