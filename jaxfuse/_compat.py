@@ -36,16 +36,19 @@ Tracer = jax.core.Tracer
 JIT_NAMES = frozenset({"jit", "pjit"})
 CHECKPOINT_NAMES = frozenset({"remat2", "checkpoint", "remat"})
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.normcase(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 # The benchmark's models are user code to the pass: their lines are what
 # explain names, though they ship inside the package.
 _BENCH_DIR = os.path.join(_PACKAGE_DIR, "bench") + os.sep
 # Installed packages (flax, haiku, equinox layers): a site in a library's layer
 # is reported at the line of the user's code that called it, where there is one.
-_INSTALLED_DIRS = tuple(sorted({os.path.join(os.path.abspath(p), "") for p in (
+# Longest first, so a nested one is the root a path is taken relative to.
+_INSTALLED_DIRS = tuple(sorted({os.path.normcase(os.path.join(os.path.abspath(p), "")) for p in (
     *(sysconfig.get_paths().get(k) for k in ("purelib", "platlib")),
     *getattr(site, "getsitepackages", lambda: [])(),
-    getattr(site, "getusersitepackages", lambda: None)()) if p}))
+    getattr(site, "getusersitepackages", lambda: None)())
+    if p and os.path.basename(os.path.normpath(p)) in ("site-packages", "dist-packages")},
+    key=len, reverse=True))
 
 
 # ------------------------------------------------------------- private, guarded
@@ -249,43 +252,70 @@ def function_origin(fun) -> tuple[str, str] | None:
 def user_frame(source_info) -> tuple[str, int] | None:
     """(file, line) of the innermost frame in the user's own code, if any.
 
-    Frames inside jax, the stdlib and jaxfuse itself are skipped, so a site in
-    library code reports the line in user code that reached it.
+    Frames inside jax, the stdlib and jaxfuse's own modules are skipped (the
+    benchmark's models count as user code), and one in the user's code is
+    preferred to one inside an installed package (the user's call of a flax
+    layer over the layer's own line), so a site in library code reports the
+    line in user code that reached it.
     """
-    return user_frame_of_traceback(getattr(source_info, "traceback", None))
+    return first_user_frame((source_info,))
 
 
 def user_frame_of_traceback(tb) -> tuple[str, int] | None:
-    """The innermost frame outside jax and jaxfuse, preferring one outside
-    installed packages (the user's call of a flax layer over the layer's own
-    line)."""
-    if tb is None:
-        return None
-    found = None
-    for frame in _user_frames(tb):
-        if _is_own_file(frame.file_name):
-            continue
-        if not frame.file_name.startswith(_INSTALLED_DIRS):
-            return frame.file_name, frame.start_line
-        found = found or (frame.file_name, frame.start_line)
-    return found
+    """`user_frame` of a traceback."""
+    return _first_frame([_outside_own(tb)])
 
 
-def installed_frame(source_info) -> tuple[str, int] | None:
-    """(path inside its package directory, line) of the innermost frame in an
-    installed package (the flax or haiku layer a site came from), if that
-    frame is inside the user's code's call (not a wrapper around it)."""
-    tb = getattr(source_info, "traceback", None)
-    for frame in _user_frames(tb) if tb is not None else ():
-        if _is_own_file(frame.file_name):
-            continue
-        root = next((r for r in _INSTALLED_DIRS if frame.file_name.startswith(r)), None)
-        return None if root is None else (frame.file_name[len(root):], frame.start_line)
+def first_user_frame(source_infos: Iterable) -> tuple[str, int] | None:
+    """`user_frame` over a chain of source infos (a site's, then its enclosing
+    equations'): the first frame in user code in any of them, else the first
+    inside an installed package (a layer traced under `remat` or `scan` has its
+    body's traceback cut there; the user's line is in the enclosing one's)."""
+    return _first_frame([_outside_own(getattr(i, "traceback", None)) for i in source_infos])
+
+
+def installed_frame(source_infos: Iterable) -> tuple[str, int] | None:
+    """(path inside its package directory, line) of the installed library's
+    code that made a site (the flax or haiku layer), given the source infos of
+    the site's own equations: the first whose innermost frame outside jax is in
+    an installed package (not a library's wrapper around the user's code, which
+    is never innermost)."""
+    for info in source_infos:
+        frames = _outside_own(getattr(info, "traceback", None))
+        if frames and _installed_root(frames[0][0]) is not None:
+            file, line = frames[0]
+            rel = os.path.relpath(file, _installed_root(file))
+            return rel.replace(os.sep, "/"), line
     return None
 
 
+def _outside_own(tb) -> list[tuple[str, int]]:
+    """(file, line) of a traceback's frames outside jax and jaxfuse's own
+    modules, innermost first."""
+    if tb is None:
+        return []
+    return [(f.file_name, f.start_line) for f in _user_frames(tb) if not _is_own_file(f.file_name)]
+
+
+def _first_frame(chains: list) -> tuple[str, int] | None:
+    for frames in chains:
+        for frame in frames:
+            if _installed_root(frame[0]) is None:
+                return frame
+    return next((frames[0] for frames in chains if frames), None)
+
+
+def _installed_root(path: str) -> str | None:
+    """The installed-packages directory `path` lies in (None: user code)."""
+    norm = os.path.normcase(path)
+    if norm.startswith(_BENCH_DIR):
+        return None
+    return next((r for r in _INSTALLED_DIRS if norm.startswith(r)), None)
+
+
 def _is_own_file(path: str) -> bool:
-    return path.startswith(_PACKAGE_DIR) and not path.startswith(_BENCH_DIR)
+    norm = os.path.normcase(path)
+    return norm.startswith(_PACKAGE_DIR) and not norm.startswith(_BENCH_DIR)
 
 
 def current_user_frame() -> tuple[str, int] | None:
@@ -302,14 +332,6 @@ def warn_at_user_line(message: str, category=RuntimeWarning, where=None) -> None
         warnings.warn(message, category, stacklevel=3)
     else:
         warnings.warn_explicit(message, category, where[0], where[1])
-
-
-def first_user_frame(source_infos: Iterable) -> tuple[str, int] | None:
-    for info in source_infos:
-        found = user_frame(info)
-        if found is not None:
-            return found
-    return None
 
 
 def _unspecified(s) -> bool:

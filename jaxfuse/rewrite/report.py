@@ -34,6 +34,8 @@ class _Located:
 
     _sources: tuple
     _fallback: tuple | None
+    _own = 1
+    """How many of `_sources` are the site's own equations (the rest enclose it)."""
 
     @property
     def file_line(self) -> tuple[str, int] | None:
@@ -50,7 +52,7 @@ class _Located:
         site came from (a flax or haiku layer), if any."""
         cached = self.__dict__.get("_layer_line", ())
         if cached == ():
-            cached = next(filter(None, map(C.installed_frame, self._sources)), None)
+            cached = C.installed_frame(self._sources[:self._own])
             self.__dict__["_layer_line"] = cached
         return cached
 
@@ -66,7 +68,7 @@ class _Located:
 
 
 def _same_file_line(full: tuple[str, int], inside: tuple[str, int]) -> bool:
-    return full[1] == inside[1] and full[0].endswith(inside[0])
+    return full[1] == inside[1] and full[0].replace(os.sep, "/").endswith("/" + inside[0])
 
 
 def format_location(file_line: tuple[str, int] | None) -> str:
@@ -105,6 +107,7 @@ class Site(_Located):
     """The cost model's facts for a fused site (decided again per platform at lowering)."""
     _sources: tuple = dataclasses.field(default=(), repr=False)
     _fallback: tuple | None = dataclasses.field(default=None, repr=False)
+    _own: int = dataclasses.field(default=1, repr=False)
 
     @property
     def status(self) -> str:

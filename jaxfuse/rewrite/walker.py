@@ -213,6 +213,7 @@ class _Walk:
             cost=m.cost,
             # The root first, then what it absorbed.
             _sources=(m.root.source_info, *(e.source_info for e in m.eqns)),
+            _own=1 + len(m.eqns),
             _fallback=self.origin,
         )
 
