@@ -96,6 +96,19 @@ def host_flags() -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=None)
+def host_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _platform.processor() or _platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
 def target_level_here() -> str:
     """`target_level` for this process. XLA parses XLA_FLAGS once per process,
     when its first client is made; reading them once (at the first use, after

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from jaxfuse import tuning
+from jaxfuse import _compat as C, _isa, tuning
 
 from conftest import assert_bitwise_equal, random_operand
 from rewrite_support import fused_count
@@ -114,6 +114,30 @@ def test_a_decision_from_another_version_is_ignored(tmp_path, args):
     opt = jaxfuse.optimize(program, policy="measure", autotuner=again)
     assert fused_count(jax.make_jaxpr(opt)(*args)) == 0  # measured anew: xla won
     assert again.timer.calls and again.log[0][1] == "xla"
+
+
+@pytest.mark.parametrize("change", ["xla_flags", "cpu_model", "isa"])
+def test_a_decision_timed_elsewhere_is_not_reused(tmp_path, args, monkeypatch, change):
+    # A cache directory shared by machines (a network home, an image) or a run
+    # under other XLA_FLAGS: timings and temp bytes from there do not hold here.
+    if C.default_device().platform != "cpu" and change != "xla_flags":
+        pytest.skip("the host's model and ISA key only CPU decisions")
+    first = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+    jax.make_jaxpr(jaxfuse.optimize(program, policy="measure", autotuner=first))(*args)
+    (entry,) = tuning.cache(str(tmp_path)).entries()
+    if change == "xla_flags":
+        monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_dump_to=/nowhere")
+    elif change == "cpu_model":
+        assert entry["key"]["cpu"] == _isa.host_model()
+        monkeypatch.setattr(_isa, "host_model", lambda: "another processor")
+    else:
+        assert entry["key"]["isa"] == _isa.target_level_here()
+        monkeypatch.setattr(_isa, "target_level_here", lambda: "a level of its own")
+    again = tuner(tmp_path, {"xla": 1.0, "always": 2.0, "auto": 3.0})
+    opt = jaxfuse.optimize(program, policy="measure", autotuner=again)
+    assert fused_count(jax.make_jaxpr(opt)(*args)) == 0  # measured anew: xla won
+    assert again.timer.calls and again.log[0][1] == "xla"
+    assert len(tuning.cache(str(tmp_path)).entries()) == 2
 
 
 def test_cache_location_comes_from_the_environment(tmp_path, monkeypatch):

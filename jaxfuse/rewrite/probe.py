@@ -22,7 +22,6 @@ stores its own).
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 
 import jax
@@ -128,8 +127,7 @@ def _stored_library_fused(closed, new, patterns, cache) -> set[int]:
     program compiles for the probe once; computed afresh where the key cannot
     be made (constants of an enclosing trace)."""
     try:
-        key = {**tuning._key(closed, {"probed": new}, patterns),
-               "decision": "library fused", "xla_flags": os.environ.get("XLA_FLAGS", "")}
+        key = {**tuning._key(closed, {"probed": new}, patterns), "decision": "library fused"}
     except Exception:  # noqa: BLE001 - no key, no storing
         return library_fused(new)
     entry = cache.entry(key)

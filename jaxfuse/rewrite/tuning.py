@@ -13,11 +13,12 @@ one with the smallest median wins -- in the manner of tokamax's
 
 The decision is remembered in a small JSON file per key under the cache
 directory (`JAXFUSE_CACHE_DIR`, default `$XDG_CACHE_HOME/jaxfuse/tuning` or
-`~/.cache/jaxfuse/tuning`). The key holds the device kind, the jax, jaxlib
-and jaxfuse versions, fingerprints of the jaxpr and of each distinct candidate
-(so of the patterns and the platform the cost model decided for), and the
-argument shapes and dtypes: a new version, device, pattern set or program
-never reuses an old decision. A cache directory that cannot be written warns
+`~/.cache/jaxfuse/tuning`). The key holds the device kind (on CPU also the
+processor's model, core count and the ISA XLA targets), XLA_FLAGS, the jax,
+jaxlib and jaxfuse versions, fingerprints of the jaxpr and of each distinct
+candidate (so of the patterns and the platform the cost model decided for),
+and the argument shapes and dtypes: a new version, machine, flag set, pattern
+set or program never reuses an old decision. A cache directory that cannot be written warns
 and keeps the decision for the process.
 `jaxfuse.tuning.cache()` inspects and clears it.
 
@@ -59,6 +60,7 @@ import numpy as np
 import jax
 
 from .. import _compat as C
+from .. import _isa
 from .._version import __version__
 from . import subjaxprs
 
@@ -254,15 +256,22 @@ def _remember_temp(program, temp: int) -> None:
 
 def _key(closed, variants: dict, patterns) -> dict:
     """What a decision depends on: the device it was timed on (the default
-    device, where the candidates are compiled and run), the versions, the
-    program and every distinct candidate (which the patterns and the cost
-    model's platform shape), the argument and constant shapes."""
+    device, where the candidates are compiled and run; on CPU, whose device
+    kind is only "cpu", the processor's model, core count and the ISA XLA
+    targets), XLA_FLAGS (which change the code XLA makes, and its temp
+    bytes), the versions, the program and every distinct candidate (which
+    the patterns and the cost model's platform shape), the argument and
+    constant shapes. A cache directory shared by different machines so never
+    hands one a decision timed on another."""
     import jaxlib
 
     device = C.default_device()
     avals = [f"{a.dtype}{list(a.shape)}" for a in closed.in_avals]
     consts = [f"{np.asarray(c).dtype}{list(np.shape(c))}" for c in closed.consts]
-    return {"device": device.device_kind, "platform": device.platform,
+    host = ({"cpu": _isa.host_model(), "cores": os.cpu_count(), "isa": _isa.target_level_here()}
+            if device.platform == "cpu" else {})
+    return {"device": device.device_kind, "platform": device.platform, **host,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "jaxfuse": __version__,
             "jaxpr": fingerprint(closed.jaxpr), "args": avals, "consts": consts,
             "patterns": sorted(p.name for p in patterns),
