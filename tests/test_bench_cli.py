@@ -945,6 +945,17 @@ def test_plan_groups_dtypes_and_sizes():
     rb = cli.plan_groups(cli.build_parser().parse_args(
         ["--workloads", "resnet_block", "--model-shape", "2x8x8x16", "--model-dtypes", "bfloat16"]), is_gpu=False)
     assert rb == [("model", "resnet_block", "bfloat16", (2, 8, 8, 16))]
+    r50 = cli.plan_groups(cli.build_parser().parse_args(
+        ["--workloads", "haiku_resnet50_eval", "--model-shape", "8x160", "--model-dtypes",
+         "float32"]), is_gpu=False)
+    assert r50 == [("model", "haiku_resnet50_eval", "float32", (8, 160))]
+
+
+def test_a_model_shape_of_the_wrong_form_names_the_workload(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--workloads", "resnet_block,haiku_resnet50_eval", "--model-shape", "8x160"])
+    err = capsys.readouterr().err
+    assert "'resnet_block' takes 4 numbers, as its CPU size 8x32x32x64" in err
 
 
 def test_stats_samples_are_in_records():

@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-batch-ms", type=float, default=None,
                    help="calls per sample are batched to last about this long (default 2, quick 1)")
     p.add_argument("--model-shape", type=lambda s: tuple(int(x) for x in s.lower().split("x")),
-                   default=None, help="NxHxWxC of the resnet_block input "
-                   "(default 4x16x16x64 quick, 8x32x32x64 CPU, 32x56x56x64 GPU)")
+                   default=None, help="the size of every model workload chosen, in its own "
+                   "form (jaxfuse/bench/models.py SIZES): NxHxWxC for resnet_block (default "
+                   "8x32x32x64 CPU), batch x image size for the ResNet-50s (4x96 CPU), ...")
     p.add_argument("--no-rotate", action="store_true",
                    help="time one input set over and over (measures the cache for small sizes)")
     p.add_argument("--ref-reps", type=int, default=None,
@@ -168,8 +169,7 @@ def plan_groups(args, is_gpu: bool) -> list[tuple]:
                         seen.add(shp)
                         plan.append(("op", wl, dt, s))
             elif dt in m_dtypes:
-                override = args.model_shape if wl == "resnet_block" else None
-                plan.append(("model", wl, dt, models.size_for(wl, key, override)))
+                plan.append(("model", wl, dt, models.size_for(wl, key, args.model_shape)))
     return plan
 
 
@@ -492,4 +492,13 @@ def main(argv=None) -> int:
         parser.error("--reps must be >= 1")
     if args.ref_reps is not None and args.ref_reps < 1:
         parser.error("--ref-reps must be >= 1")
+    if args.model_shape is not None:
+        from .models import SIZES
+
+        for wl in args.workloads:
+            form = SIZES.get(wl, {}).get("cpu")
+            if form is not None and len(form) != len(args.model_shape):
+                parser.error(f"--model-shape {'x'.join(map(str, args.model_shape))}: workload "
+                             f"{wl!r} takes {len(form)} numbers, as its CPU size "
+                             f"{'x'.join(map(str, form))} (choose it alone with --workloads)")
     return run(args)
