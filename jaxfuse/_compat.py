@@ -263,7 +263,7 @@ def user_frame(source_info) -> tuple[str, int] | None:
 
 def user_frame_of_traceback(tb) -> tuple[str, int] | None:
     """`user_frame` of a traceback."""
-    return _first_frame([_outside_own(tb)])
+    return _first_frame((_outside_own(tb),))
 
 
 def first_user_frame(source_infos: Iterable) -> tuple[str, int] | None:
@@ -271,7 +271,7 @@ def first_user_frame(source_infos: Iterable) -> tuple[str, int] | None:
     equations'): the first frame in user code in any of them, else the first
     inside an installed package (a layer traced under `remat` or `scan` has its
     body's traceback cut there; the user's line is in the enclosing one's)."""
-    return _first_frame([_outside_own(getattr(i, "traceback", None)) for i in source_infos])
+    return _first_frame(_outside_own(getattr(i, "traceback", None)) for i in source_infos)
 
 
 def installed_frame(source_infos: Iterable) -> tuple[str, int] | None:
@@ -297,12 +297,17 @@ def _outside_own(tb) -> list[tuple[str, int]]:
     return [(f.file_name, f.start_line) for f in _user_frames(tb) if not _is_own_file(f.file_name)]
 
 
-def _first_frame(chains: list) -> tuple[str, int] | None:
+def _first_frame(chains: Iterable) -> tuple[str, int] | None:
+    """The first frame in user code over `chains` (read lazily), else the
+    innermost frame of the first chain that has one."""
+    fallback = None
     for frames in chains:
         for frame in frames:
             if _installed_root(frame[0]) is None:
                 return frame
-    return next((frames[0] for frames in chains if frames), None)
+        if fallback is None and frames:
+            fallback = frames[0]
+    return fallback
 
 
 def _installed_root(path: str) -> str | None:
