@@ -97,15 +97,37 @@ def host_flags() -> frozenset[str]:
 
 @functools.lru_cache(maxsize=None)
 def host_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what `platform` says."""
+    """The CPU's model: its name in /proc/cpuinfo (on Arm, which names none,
+    the implementer, part and variant of the first core), else what `platform`
+    says."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("model name", "Model", "cpu model")):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    if fields:
+                        break  # the first processor's block is enough
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    for key in ("model name", "cpu model", "Model"):
+        if fields.get(key):
+            return fields[key]
+    if "CPU implementer" in fields:
+        return " ".join(f"{k[4:]} {fields.get(k, '?')}" for k in
+                        ("CPU implementer", "CPU part", "CPU variant", "CPU revision"))
     return _platform.processor() or _platform.machine()
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask, as XLA's thread
+    pool counts them), else the machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 @functools.lru_cache(maxsize=None)

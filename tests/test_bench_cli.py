@@ -951,11 +951,28 @@ def test_plan_groups_dtypes_and_sizes():
     assert r50 == [("model", "haiku_resnet50_eval", "float32", (8, 160))]
 
 
-def test_a_model_shape_of_the_wrong_form_names_the_workload(capsys):
+@pytest.mark.parametrize("argv,expected", [
+    (["--workloads", "resnet_block", "--model-shape", "8x160"],
+     "resnet_block takes 4 numbers (N x H x W x C), as its CPU size 8x32x32x64"),
+    (["--workloads", "resnet_block,eqx_nchw_conv", "--model-shape", "2x8x8x16"],
+     "read a size differently (resnet_block: N x H x W x C, eqx_nchw_conv: N x C x H x W)"),
+    (["--model-shape", "2x8x8x16"],
+     "sizes every model workload chosen: choose them with --workloads (those of 4 numbers: "
+     "flax_cnn (N x H x W x C), eqx_nchw_conv (N x C x H x W), resnet_block (N x H x W x C))"),
+    (["--workloads", "resnet_block", "--model-shape", "2x8x8x0"], "every number must be at least 1"),
+])
+def test_a_model_shape_that_cannot_size_the_workloads_says_why(capsys, argv, expected):
     with pytest.raises(SystemExit):
-        cli.main(["--workloads", "resnet_block,haiku_resnet50_eval", "--model-shape", "8x160"])
-    err = capsys.readouterr().err
-    assert "'resnet_block' takes 4 numbers, as its CPU size 8x32x32x64" in err
+        cli.main(argv)
+    assert expected in capsys.readouterr().err
+
+
+def test_every_model_workload_has_a_size_form():
+    from jaxfuse.bench import models
+
+    assert set(models.SIZE_FORMS) == set(models.MODEL_WORKLOADS) == set(models.SIZES)
+    for wl, form in models.SIZE_FORMS.items():
+        assert len(form.split(" x ")) == len(models.SIZES[wl]["cpu"]), wl
 
 
 def test_stats_samples_are_in_records():

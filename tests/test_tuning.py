@@ -116,7 +116,7 @@ def test_a_decision_from_another_version_is_ignored(tmp_path, args):
     assert again.timer.calls and again.log[0][1] == "xla"
 
 
-@pytest.mark.parametrize("change", ["xla_flags", "cpu_model", "isa"])
+@pytest.mark.parametrize("change", ["xla_flags", "cpu_model", "cores", "isa"])
 def test_a_decision_timed_elsewhere_is_not_reused(tmp_path, args, monkeypatch, change):
     # A cache directory shared by machines (a network home, an image) or a run
     # under other XLA_FLAGS: timings and temp bytes from there do not hold here.
@@ -126,7 +126,11 @@ def test_a_decision_timed_elsewhere_is_not_reused(tmp_path, args, monkeypatch, c
     jax.make_jaxpr(jaxfuse.optimize(program, policy="measure", autotuner=first))(*args)
     (entry,) = tuning.cache(str(tmp_path)).entries()
     if change == "xla_flags":
-        monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_dump_to=/nowhere")
+        monkeypatch.setenv("XLA_FLAGS",
+                           os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_min_max=false")
+    elif change == "cores":
+        assert entry["key"]["cores"] == _isa.host_cores()
+        monkeypatch.setattr(_isa, "host_cores", lambda: 10_000)
     elif change == "cpu_model":
         assert entry["key"]["cpu"] == _isa.host_model()
         monkeypatch.setattr(_isa, "host_model", lambda: "another processor")
@@ -138,6 +142,32 @@ def test_a_decision_timed_elsewhere_is_not_reused(tmp_path, args, monkeypatch, c
     assert fused_count(jax.make_jaxpr(opt)(*args)) == 0  # measured anew: xla won
     assert again.timer.calls and again.log[0][1] == "xla"
     assert len(tuning.cache(str(tmp_path)).entries()) == 2
+
+
+def test_dump_flags_and_flag_order_keep_the_decision(tmp_path, args, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_min_max=false --xla_cpu_enable_fast_math=false")
+    first = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+    jax.make_jaxpr(jaxfuse.optimize(program, policy="measure", autotuner=first))(*args)
+    # where XLA writes its dumps, and the order of the flags, change no code
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false --xla_dump_to=/elsewhere "
+                                    "--xla_cpu_enable_fast_min_max=false")
+    second = tuner(tmp_path, {"xla": 1.0, "always": 2.0, "auto": 3.0})
+    opt = jaxfuse.optimize(program, policy="measure", autotuner=second)
+    assert fused_count(jax.make_jaxpr(opt)(*args)) == 1 and second.timer.calls == []
+
+
+def test_processes_on_different_hosts_time_in_the_same_order(tmp_path, args, monkeypatch):
+    # Several processes of one job run the candidates' collectives together:
+    # their rounds' order must not depend on the host's model or flags.
+    orders = []
+    for model in ("one processor", "another processor"):
+        monkeypatch.setattr(_isa, "host_model", lambda m=model: m)
+        t = tuner(tmp_path / model, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+        jax.make_jaxpr(jaxfuse.optimize(program, policy="measure", autotuner=t))(*args)
+        (entry,) = tuning.cache(str(tmp_path / model)).entries()
+        assert entry["key"]["cpu"] == model
+        orders.append(t.timer.calls)
+    assert len(orders[0]) > 3 and orders[0] == orders[1]
 
 
 def test_cache_location_comes_from_the_environment(tmp_path, monkeypatch):

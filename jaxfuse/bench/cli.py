@@ -101,9 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-batch-ms", type=float, default=None,
                    help="calls per sample are batched to last about this long (default 2, quick 1)")
     p.add_argument("--model-shape", type=lambda s: tuple(int(x) for x in s.lower().split("x")),
-                   default=None, help="the size of every model workload chosen, in its own "
-                   "form (jaxfuse/bench/models.py SIZES): NxHxWxC for resnet_block (default "
-                   "8x32x32x64 CPU), batch x image size for the ResNet-50s (4x96 CPU), ...")
+                   default=None, help="the size of every model workload chosen with "
+                   "--workloads, which must all read it the same way (models.SIZE_FORMS): "
+                   "NxHxWxC for resnet_block and flax_cnn, batch x image size for "
+                   "stax_resnet50 and haiku_resnet50_eval, ... (defaults: models.SIZES)")
     p.add_argument("--no-rotate", action="store_true",
                    help="time one input set over and over (measures the cache for small sizes)")
     p.add_argument("--ref-reps", type=int, default=None,
@@ -493,12 +494,35 @@ def main(argv=None) -> int:
     if args.ref_reps is not None and args.ref_reps < 1:
         parser.error("--ref-reps must be >= 1")
     if args.model_shape is not None:
-        from .models import SIZES
-
-        for wl in args.workloads:
-            form = SIZES.get(wl, {}).get("cpu")
-            if form is not None and len(form) != len(args.model_shape):
-                parser.error(f"--model-shape {'x'.join(map(str, args.model_shape))}: workload "
-                             f"{wl!r} takes {len(form)} numbers, as its CPU size "
-                             f"{'x'.join(map(str, form))} (choose it alone with --workloads)")
+        why = _model_shape_error(args.model_shape, args.workloads,
+                                 explicit=any(a == "--workloads" or a.startswith("--workloads=")
+                                              for a in (argv if argv is not None else sys.argv)))
+        if why:
+            parser.error(why)
     return run(args)
+
+
+def _model_shape_error(shape: tuple, workloads: list, explicit: bool) -> str | None:
+    """Why `--model-shape shape` cannot size `workloads`, or None: it sizes every
+    model workload chosen, so they must all read a size the same way."""
+    from .models import SIZE_FORMS, SIZES
+
+    given = "x".join(map(str, shape))
+    chosen = [wl for wl in workloads if wl in SIZE_FORMS]
+    if not explicit:
+        return (f"--model-shape {given} sizes every model workload chosen: choose them with "
+                f"--workloads (those of {len(shape)} numbers: " + ", ".join(
+                    f"{wl} ({SIZE_FORMS[wl]})" for wl in SIZE_FORMS
+                    if len(SIZES[wl]["cpu"]) == len(shape)) + ")")
+    if any(n <= 0 for n in shape):
+        return f"--model-shape {given}: every number must be at least 1"
+    forms = {SIZE_FORMS[wl] for wl in chosen}
+    if len(forms) > 1:
+        return (f"--model-shape {given}: the workloads chosen read a size differently ("
+                + ", ".join(f"{wl}: {SIZE_FORMS[wl]}" for wl in chosen) + "); run them apart")
+    for wl in chosen:
+        if len(SIZES[wl]["cpu"]) != len(shape):
+            n = len(SIZES[wl]["cpu"])
+            return (f"--model-shape {given}: {wl} takes {n} number{'s' * (n != 1)} "
+                    f"({SIZE_FORMS[wl]}), as its CPU size {'x'.join(map(str, SIZES[wl]['cpu']))}")
+    return None

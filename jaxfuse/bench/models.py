@@ -513,6 +513,18 @@ BUILDERS: dict[str, Callable] = {
 }
 
 
+# What each number of a model workload's size means (`jaxfuse-bench --model-shape`).
+SIZE_FORMS: dict[str, str] = {
+    "relu_add": "elements", "scale_shift": "rows x channels", "dense_relu": "M x K x N",
+    "mlp": "batch x width x layers", "mlp_train_step": "batch x width x layers",
+    "flax_cnn": "N x H x W x C", "eqx_nchw_conv": "N x C x H x W", "resnet_block": "N x H x W x C",
+    "stax_resnet50": "batch x image size", "haiku_resnet_train": "batch x size x width",
+    "haiku_resnet_eval": "batch x size x width", "haiku_resnet50_eval": "batch x image size",
+    "linen_ffn_train": "batch x tokens x width", "eqx_mlp_train": "batch x features x width",
+    "linen_attention": "batch x tokens x width",
+}
+
+
 def size_for(workload: str, platform_key: str, override=None) -> tuple:
     """The size of a model workload on ``platform_key`` ("quick", "cpu", "gpu")."""
     if override is not None:

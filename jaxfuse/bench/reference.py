@@ -24,13 +24,14 @@ miscounted byte total, a timer problem) and is flagged as such.
 from __future__ import annotations
 
 import itertools
-import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+from .. import _isa
 
 REF_MIN_BYTES = 256 << 20
 REF_CACHE_FACTOR = 8
@@ -60,10 +61,7 @@ def buffer_bytes(cache_bytes: int) -> int:
 
 
 def cpu_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+    return _isa.host_cores()
 
 
 def _timed_copies(dst, srcs, threads: int, chunks: int, reps: int) -> list[float]:

@@ -254,6 +254,16 @@ def _remember_temp(program, temp: int) -> None:
     _TEMP_BYTES[_temp_key(program)] = temp
 
 
+# The parts of a key every process of a job shares (its host and flags may differ).
+_SHARED_KEY = ("jaxpr", "args", "consts", "patterns", "candidates")
+
+
+def _code_flags(xla_flags: str) -> list[str]:
+    """XLA_FLAGS as a key holds them: sorted, without the dump flags, which
+    change where XLA writes its files, not the code it makes."""
+    return sorted(f for f in xla_flags.split() if not f.startswith("--xla_dump"))
+
+
 def _key(closed, variants: dict, patterns) -> dict:
     """What a decision depends on: the device it was timed on (the default
     device, where the candidates are compiled and run; on CPU, whose device
@@ -268,10 +278,10 @@ def _key(closed, variants: dict, patterns) -> dict:
     device = C.default_device()
     avals = [f"{a.dtype}{list(a.shape)}" for a in closed.in_avals]
     consts = [f"{np.asarray(c).dtype}{list(np.shape(c))}" for c in closed.consts]
-    host = ({"cpu": _isa.host_model(), "cores": os.cpu_count(), "isa": _isa.target_level_here()}
-            if device.platform == "cpu" else {})
+    host = ({"cpu": _isa.host_model(), "cores": _isa.host_cores(),
+             "isa": _isa.target_level_here()} if device.platform == "cpu" else {})
     return {"device": device.device_kind, "platform": device.platform, **host,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "xla_flags": _code_flags(os.environ.get("XLA_FLAGS", "")),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "jaxfuse": __version__,
             "jaxpr": fingerprint(closed.jaxpr), "args": avals, "consts": consts,
             "patterns": sorted(p.name for p in patterns),
@@ -462,7 +472,10 @@ def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: 
     limit = tuner.run_limit()
     try:
         mesh = _timing_mesh(closed)
-        times = _in_clean_thread(lambda: _time(tuner, distinct, closed, key_text, limit,
+        # The rounds' order comes from what every process of a job shares (the
+        # programs, not this host's model or flags), so all run the same programs.
+        order_seed = json.dumps({k: key[k] for k in _SHARED_KEY}, sort_keys=True)
+        times = _in_clean_thread(lambda: _time(tuner, distinct, closed, order_seed, limit,
                                                baseline, mesh, fixed_rounds=several,
                                                check_memory=check_memory))
     except _Overrun as e:
@@ -519,7 +532,7 @@ def _temp_bytes(compiled) -> int | None:
         return None
 
 
-def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
+def _time(tuner: Autotuner, distinct: dict, closed, order_seed: str, limit: float,
           baseline: str, mesh=None, fixed_rounds: bool = False, check_memory: bool = True) -> dict:
     """{candidate: [seconds per round]}; raises `_Overrun` when a run does not
     end within `limit` seconds. A candidate whose compiled program holds more
@@ -550,7 +563,7 @@ def _time(tuner: Autotuner, distinct: dict, closed, key_text: str, limit: float,
     # Each round in a random order (seeded by the key, so a decision
     # repeats): a fixed rotation makes each candidate follow the same one,
     # whose traffic it inherits in the cache (bench/results, round order).
-    rng = random.Random(key_text)
+    rng = random.Random(order_seed)
     for _ in range(max(1, tuner.rounds)):
         for name in rng.sample(names, len(names)):
             run = lambda fn=compiled[name]: fn(*args)  # noqa: E731
