@@ -282,10 +282,10 @@ def installed_frame(source_infos: Iterable) -> tuple[str, int] | None:
     is never innermost)."""
     for info in source_infos:
         frames = _outside_own(getattr(info, "traceback", None))
-        if frames and _installed_root(frames[0][0]) is not None:
+        root = _installed_root(frames[0][0]) if frames else None
+        if root is not None:
             file, line = frames[0]
-            rel = os.path.relpath(file, _installed_root(file))
-            return rel.replace(os.sep, "/"), line
+            return os.path.relpath(file, root).replace(os.sep, "/"), line
     return None
 
 

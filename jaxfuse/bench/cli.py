@@ -495,8 +495,7 @@ def main(argv=None) -> int:
         parser.error("--ref-reps must be >= 1")
     if args.model_shape is not None:
         why = _model_shape_error(args.model_shape, args.workloads,
-                                 explicit=any(a == "--workloads" or a.startswith("--workloads=")
-                                              for a in (argv if argv is not None else sys.argv)))
+                                 explicit=args.workloads != parser.get_default("workloads"))
         if why:
             parser.error(why)
     return run(args)
