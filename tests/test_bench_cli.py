@@ -179,7 +179,8 @@ def test_cli_json_schema(quick_run):
         if r["mode"] == "unfused":  # two executables: no one program's memory
             assert r["memory"] is None and r["temp_ratio"] is None
         else:
-            assert set(r["memory"]) == {*workloads.MEMORY_FIELDS, "library_fusions"}, r["memory"]
+            assert set(r["memory"]) == {*workloads.MEMORY_FIELDS, "library_fusions",
+                                        "library_workspace"}, r["memory"]
             for k in ("temp", "argument", "output", "alias"):
                 assert isinstance(r["memory"][k], int) and r["memory"][k] >= 0, (k, r["memory"])
         if r["mode"] == "xla":
@@ -466,7 +467,8 @@ def test_inspect_records_the_compiled_programs_memory():
     ins = workloads.inspect(jax.jit(lambda x, y: jnp.sort(x) + y), a, a)
     expected = workloads.memory_stats(jax.jit(lambda x, y: jnp.sort(x) + y).lower(a, a).compile()
                                       .memory_analysis())
-    assert ins.memory == {**expected, "library_fusions": 0} and ins.memory["argument"] == 2 * 4096
+    assert ins.memory == {**expected, "library_fusions": 0, "library_workspace": 0}
+    assert ins.memory["argument"] == 2 * 4096
     assert ins.memory["output"] == 4096
     # inspection never raises: a function that does not lower has no figures
     bad = workloads.inspect(lambda x: x.no_such_method(), a)
@@ -536,12 +538,16 @@ def test_memory_ratios_table_and_summary():
 
 
 def test_a_temp_figure_that_leaves_out_library_fusions_is_marked():
-    recs = [_mrec("xla", "cnn", 2560, library_fusions=2),
-            _mrec("jaxfuse-always", "cnn", 6291840, library_fusions=7),
+    recs = [_mrec("xla", "cnn", 2560, library_fusions=2, library_workspace=6291456),
+            _mrec("jaxfuse-always", "cnn", 6291840, library_fusions=7, library_workspace=0),
             _mrec("xla", "mlp", 1000), _mrec("jaxfuse-always", "mlp", 1000, library_fusions=0)]
     report.attach_memory_ratios(recs)
     cell = {(row[0], row[5]): row[-2] for row in report.table_rows(recs)}
     assert cell[("cnn", "xla")] == "2.5 KiB*" and cell[("cnn", "jaxfuse-always")] == "6 MiB*"
+    # the ratio adds the estimated workspace: the library fusion's values against the calls' buffers
+    assert recs[1]["temp_ratio"] == 6291840 / (2560 + 6291456)
+    assert report.memory_summary(recs).startswith(
+        "model workloads, compiled temp bytes against XLA: jaxfuse-always more in 0 of 2")
     assert cell[("mlp", "xla")] == "1000 B" and cell[("mlp", "jaxfuse-always")] == "1000 B"
     table = report.format_table(recs).splitlines()
     assert table[-1] == report.LIBRARY_FUSIONS_NOTE

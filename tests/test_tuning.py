@@ -69,7 +69,7 @@ def test_a_candidate_holding_more_memory_is_never_chosen(tmp_path, args):
     assert_bitwise_equal(opt(*args), jax.jit(summed)(*args))
 
 
-def test_the_temp_bytes_of_a_timed_candidate_are_remembered_for_the_memory_check(tmp_path, args):
+def test_the_held_bytes_of_a_timed_candidate_are_remembered_for_the_memory_check(tmp_path, args):
     """The memory check compiles the program `auto` chose, often a candidate
     the tuner compiled already: its figure is taken, not compiled again."""
     from jaxfuse.rewrite import memory
@@ -80,13 +80,13 @@ def test_the_temp_bytes_of_a_timed_candidate_are_remembered_for_the_memory_check
     assert tuning.choose_among(closed, {"xla": closed, "always": fused}, (), t,
                                default="xla", baseline="xla") == ("always", True)
     compiled = jax.jit(lambda *a: jax.core.eval_jaxpr(fused.jaxpr, fused.consts, *a))
-    expected = compiled.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    assert tuning.seen_temp_bytes(fused) == expected
+    expected = memory.held_of(compiled.lower(*args).compile())
+    assert tuning.seen_held_bytes(fused) == expected
     # another object with the same program text is the same program
     again = jaxfuse.explain(program, *args, policy="always").jaxpr
-    assert again is not fused and tuning.seen_temp_bytes(again) == expected
-    assert memory.temp_bytes(again) == expected
-    assert tuning.seen_temp_bytes(jax.make_jaxpr(lambda a, b: a * b)(*args)) is None
+    assert again is not fused and tuning.seen_held_bytes(again) == expected
+    assert memory.held_bytes(again) == expected
+    assert tuning.seen_held_bytes(jax.make_jaxpr(lambda a, b: a * b)(*args)) is None
 
 
 def test_decision_is_persisted_and_read_back(tmp_path, args):

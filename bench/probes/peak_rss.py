@@ -17,7 +17,9 @@ reads 0). Linux only. Usage:
                                     [--modes jit,auto,always,kept] [--size cpu]
 ``kept``: `auto` with its probe's timing told that the sites XLA:CPU puts into
 a library fusion are faster kept fused, and its memory check off (the program
-`auto` would run where timing favours them, were XLA's temp figures not in the way).
+`auto` would run where timing favours them, were the memory check not in the way).
+``held (est.)``: XLA's temp plus the largest library fusion's estimated
+workspace (rewrite/library_memory.py), what `auto`'s memory check compares.
 Run from outside the source tree (or with the package installed).
 """
 
@@ -82,6 +84,7 @@ def _child(workload: str, mode: str, size: str) -> dict:
         growth.append(_status()["VmHWM"] - before)
     return {"workload": workload, "mode": mode, "peak_rss_growth": sorted(growth)[CALLS // 2],
             "temp": memory.temp_bytes(closed),
+            "held": memory.held_bytes(closed),
             "temp_materialized": memory.temp_bytes(closed, materialized=True),
             "custom_calls": sum(e.primitive in pacing.FUSED for e in subjaxprs.all_eqns(closed))}
 
@@ -98,7 +101,7 @@ def main() -> None:
         return
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     print(f"{'workload':22} {'mode':7} {'calls':>5} {'peak RSS growth':>16} "
-          f"{'XLA temp':>12} {'temp, libs off':>15}")
+          f"{'XLA temp':>12} {'temp, libs off':>15} {'held (est.)':>12}")
     for workload in args.workloads.split(","):
         for mode in args.modes.split(","):
             out = subprocess.run([sys.executable, __file__, "--child", workload, mode, args.size],
@@ -106,7 +109,8 @@ def main() -> None:
             r = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"{workload:22} {mode:7} {r['custom_calls']:5d} "
                   f"{r['peak_rss_growth'] / 2**20:12.2f} MiB {r['temp'] / 2**20:8.2f} MiB "
-                  f"{r['temp_materialized'] / 2**20:11.2f} MiB", flush=True)
+                  f"{r['temp_materialized'] / 2**20:11.2f} MiB {r['held'] / 2**20:8.2f} MiB",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ XLA reports it (``memory``: temp, argument, output, alias and peak bytes; see
 ``workloads.memory_stats``), the same on every run of the same program, so
 its ``temp_ratio`` to xla's temp bytes is exact and has no interval. The
 figure leaves out what XLA:CPU's library fusions hold in their own workspace;
-``library_fusions`` counts them, and the table marks such programs' temp.
+``library_fusions`` counts them, the table marks such programs' temp, and
+``library_workspace`` is the largest one's estimated workspace
+(rewrite/library_memory.py), which ratios and comparisons add to the temp
+(``held_bytes``), as `auto`'s memory check does.
 """
 
 from __future__ import annotations
@@ -118,6 +121,13 @@ def temp_bytes(r: dict) -> int | None:
     return (r.get("memory") or {}).get("temp")
 
 
+def held_bytes(r: dict) -> int | None:
+    """What a call of the record's program holds: its temp bytes plus its
+    largest library fusion's estimated workspace (None: not known)."""
+    temp = temp_bytes(r)
+    return None if temp is None else temp + ((r.get("memory") or {}).get("library_workspace") or 0)
+
+
 def temp_ratio(own: int | None, xla: int | None) -> float | None:
     """own / xla temp bytes.  Both 0 is 1.0: neither program needs a temp
     buffer, so nothing was raised.  None where either is unknown, or where
@@ -139,8 +149,8 @@ def _xla_temps(records: Iterable[dict]) -> dict[tuple, int]:
     memory is the compiled program's, the same in both)."""
     out: dict[tuple, int] = {}
     for r in records:
-        if r["mode"] == "xla" and temp_bytes(r) is not None:
-            out.setdefault(_case_key(r), temp_bytes(r))
+        if r["mode"] == "xla" and held_bytes(r) is not None:
+            out.setdefault(_case_key(r), held_bytes(r))
     return out
 
 
@@ -150,7 +160,7 @@ def attach_memory_ratios(records: Sequence[dict]) -> None:
     xla = _xla_temps(records)
     for r in records:
         if r["mode"] in JAXFUSE_MODES:
-            r["temp_ratio"] = temp_ratio(temp_bytes(r), xla.get(_case_key(r)))
+            r["temp_ratio"] = temp_ratio(held_bytes(r), xla.get(_case_key(r)))
 
 
 # --------------------------------------------------------------- progress
@@ -289,7 +299,7 @@ def _temp_ratio_cell(r: dict, xla_temp: int | None) -> str:
     ratio = r.get("temp_ratio")
     if ratio is not None:
         return f"{ratio:.3f}"
-    own = temp_bytes(r)
+    own = held_bytes(r)
     if xla_temp == 0 and own:
         return "> xla's 0 B"
     return "-"
@@ -353,7 +363,8 @@ def format_table(records: Sequence[dict]) -> str:
 
 LIBRARY_FUSIONS_NOTE = (
     "* the compiled program has XLA:CPU library fusions (YNNPACK, XNNPACK): XLA's temp "
-    "figure leaves out what they hold in the library's own workspace "
+    "figure leaves out what they hold in the library's own workspace; temp/xla and the "
+    "memory summary add the largest one's estimated workspace to it "
     "(bench/probes/peak_rss.py measures a call's real growth)")
 
 
@@ -514,15 +525,15 @@ def memory_summary(records: Sequence[dict]) -> str | None:
             continue
         policy = next(iter(cases.values())).get("policy")
         label = f"{mode} ({policy})" if mode == "jaxfuse" and policy else mode
-        known = [(k, r) for k, r in cases.items() if temp_bytes(r) is not None and k in xla]
-        more = [(k, r) for k, r in known if temp_bytes(r) > xla[k]]
+        known = [(k, r) for k, r in cases.items() if held_bytes(r) is not None and k in xla]
+        more = [(k, r) for k, r in known if held_bytes(r) > xla[k]]
         text = f"{label} more in {len(more)} of {len(known)}"
         # Over xla's 0 B there is no ratio: those are listed, and "largest" is
         # then only of the others.
         from_zero = [(k, r) for k, r in more if xla[k] == 0]
         if from_zero:
             text += (f" ({len(from_zero)} over xla's 0 B: " + ", ".join(
-                f"{k[0]} {k[1]} {human_bytes(temp_bytes(r))}" for k, r in from_zero) + ")")
+                f"{k[0]} {k[1]} {human_bytes(held_bytes(r))}" for k, r in from_zero) + ")")
         ratios = [(r["temp_ratio"], k) for k, r in known if r.get("temp_ratio") is not None]
         if ratios:
             top, (wl, dt, _) = max(ratios, key=lambda t: t[0])

@@ -318,6 +318,13 @@ def inspect(fn: Callable, *args, mode: str = "xla", policy: str | None = None,
     sites).  Lowering shares jit's cache, so timing ``fn`` later compiles nothing.
     Never raises: inspection must not sink a benchmark."""
     sites = declined = rejected = rule_sites = 0
+    lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
+    try:
+        lowered = lowerable.lower(*args)
+    except Exception:  # noqa: BLE001
+        lowered = None
+    # After the lowering: `auto` times a conv band's programs on its first
+    # trace, and explain reports the stored decision (it never times).
     if policy is not None and plain is not None:
         try:
             rep = jaxfuse.explain(plain, *args, policy=policy)
@@ -327,10 +334,7 @@ def inspect(fn: Callable, *args, mode: str = "xla", policy: str | None = None,
             rule_sites = sum(1 for s in rep.fused if s.pattern not in _BUILT_IN)
         except Exception:  # noqa: BLE001
             pass
-    lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
-    try:
-        lowered = lowerable.lower(*args)
-    except Exception:  # noqa: BLE001
+    if lowered is None:
         return Inspection(None, 0, sites, declined, rejected,
                           impl_of(mode, 0, sites, declined, rule_sites))
     try:
@@ -348,7 +352,7 @@ def inspect(fn: Callable, *args, mode: str = "xla", policy: str | None = None,
         try:
             mem = memory_stats(compiled.memory_analysis())
             if mem is not None:
-                mem["library_fusions"] = _memory.library_fusion_count(compiled)
+                mem.update(_memory.library_figures(compiled))
         except Exception:  # noqa: BLE001
             pass
     return Inspection(xb, calls, sites, declined, rejected,

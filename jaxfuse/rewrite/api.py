@@ -196,7 +196,8 @@ def rewrite_for(closed, patterns, policy: str, platform: str | None, origin=None
                 closed, new, report, model,
                 lambda give_back: rewrite(closed, patterns, origin,
                                           cost=_cost.CostModel(platform, give_back)),
-                patterns=patterns, tuner=tuner, time_it=time_it)
+                patterns=patterns, tuner=tuner, time_it=time_it,
+                rewrite_all=lambda: rewrite(closed, patterns, origin))
         new = pacing.settle(new)
         if here:
             given_back = _probe.given_back(report)
@@ -272,8 +273,10 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
     are made for (default: the arguments' devices, else the default backend,
     as jit does). `memory=True` also compiles the program as traced and as
     rewritten, for the default device, and reports the bytes XLA says each
-    holds (`report.memory`; a line of the printed report). `memory="calls"`
-    also gives, per fused call, the temp bytes it saves or costs
+    holds (`report.memory`; a line of the printed report), with, on CPU, the
+    largest library fusion's estimated workspace and what a call holds in all
+    (`"held"`, what `auto` compares). `memory="calls"`
+    also gives, per fused call, the bytes it saves or costs in a call
     (`report.memory["calls"]`, `memory.CallBytes`): the program compiled with
     that call given back to XLA's ops, against as it is (one compile per call).
     """

@@ -1,4 +1,4 @@
-"""`auto` never makes a program hold more temp memory than `jax.jit`'s.
+"""`auto` never makes a call of a program hold more memory than `jax.jit`'s.
 
 A fused site can hold bytes XLA's own program does not: operands XLA computes
 inside its loop (a BatchNorm's per-channel scale) that the call needs written
@@ -16,28 +16,27 @@ program, device and versions), so a program pays the compiles once.
 XLA's figures leave out one kind of memory: what XLA:CPU's library fusions
 (YNNPACK, XNNPACK) hold in the library's own workspace. A network jit compiles
 into one such fusion can report a few KiB of temp while a call's peak resident
-memory grows by megabytes (bench/probes/peak_rss.py). Neither side of that can
-be bounded from the compiled programs (the fused form of the two-block haiku
-ResNet holds less than jit's in a call, a partly fused one more), so the check
-compares what XLA reports, and `explain(..., memory=True)` says where a
-program has library fusions.
+memory grows by megabytes (bench/probes/peak_rss.py). So what is compared is
+what a call holds: XLA's temp plus the largest library fusion's workspace,
+estimated from the fusion's body (`library_memory`); without library fusions,
+XLA's temp alone. The estimate orders the programs measured so far as their
+peak resident growth does: the fused two-block haiku ResNet below jit's, a
+partly fused one (the last block left in its fusion) above it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
 
 from .. import _compat as C
-from . import pacing, subjaxprs, tuning
+from . import library_memory, pacing, subjaxprs, tuning
 from .cost import give_back_to_xla, site_key
 from .report import human_bytes
 
-# A library fusion's line in an optimized HLO module's text, naming the computation it calls.
-LIBRARY_FUSION = re.compile(r"=\s*\S+\s+fusion\(.*kind=kCustom.*calls=(%[\w.\-]+)")
-_PENDING = "declined: fused, the program would hold more temp memory than jax.jit's"
+LIBRARY_FUSION = library_memory.LIBRARY_FUSION
+_PENDING = "declined: fused, the program would hold more memory than jax.jit's"
 # Off only in tests of the cost model's own rules, which this check would mask,
 # and in probes of what the unchecked program holds. Also governs the tuner's
 # rule that no candidate holding more temp than its baseline is timed.
@@ -48,19 +47,42 @@ def temp_bytes(closed, *, materialized: bool = False) -> int:
     """The temp bytes XLA reports for `closed` compiled for the default device
     (`materialized`, a CPU device only: with XLA:CPU's library fusions off, so
     that every intermediate is a buffer XLA counts)."""
-    if not materialized:
-        seen = tuning.seen_temp_bytes(closed)
-        if seen is not None:
-            return seen
     return _memory_of(_compile(closed, materialized))["temp"]
+
+
+def held_bytes(closed) -> int:
+    """What a call of `closed`, compiled for the default device, holds beyond
+    its arguments and outputs: XLA's temp plus its largest library fusion's
+    estimated workspace (`library_memory.held_bytes`)."""
+    seen = tuning.seen_held_bytes(closed)
+    if seen is not None:
+        return seen
+    return held_of(_compile(closed))
+
+
+held_of = library_memory.held_of
 
 
 def compiled_memory(closed) -> dict:
     """Bytes XLA reports for `closed` compiled for the default device (temp,
-    argument, output), and how many library fusions the program has
-    (`library_fusions`: XLA's figures leave out what those hold)."""
+    argument, output), how many library fusions the program has
+    (`library_fusions`: XLA's figures leave out what those hold), the largest
+    one's estimated workspace (`library_workspace`) and what a call holds
+    (`held`: temp plus that workspace)."""
     compiled = _compile(closed)
-    return {**_memory_of(compiled), "library_fusions": library_fusion_count(compiled)}
+    mem = {**_memory_of(compiled), **library_figures(compiled)}
+    mem["held"] = mem["temp"] + mem["library_workspace"]
+    return mem
+
+
+def library_figures(compiled) -> dict:
+    """{"library_fusions": how many, "library_workspace": the largest one's
+    estimated workspace bytes} of a compiled program (0 off CPU)."""
+    if C.default_device().platform != "cpu":
+        return {"library_fusions": 0, "library_workspace": 0}
+    found = library_memory.workspace_bytes(compiled.as_text())
+    return {"library_fusions": len(found),
+            "library_workspace": max((b for _name, b in found), default=0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +108,14 @@ def per_call(closed) -> list[CallBytes]:
                        else None)
     if not calls:
         return []
-    base = temp_bytes(closed)
+    base = held_bytes(closed)
     out = []
     for target in calls:
         without = subjaxprs.map_eqns(
             closed, lambda e, t=target: give_back_to_xla(e) if e is t else None)
         aval = target.outvars[0].aval
         out.append(CallBytes(C.user_frame(target.source_info), tuple(aval.shape),
-                             str(aval.dtype), temp_bytes(without) - base))
+                             str(aval.dtype), held_bytes(without) - base))
     return out
 
 
@@ -101,9 +123,7 @@ def library_fusion_count(compiled) -> int:
     """XLA:CPU's library fusions (YNNPACK, XNNPACK) in a compiled program. What
     they hold lives in the library's own workspace, which XLA's temp figure
     does not count (bench/probes/peak_rss.py measures a call's real growth)."""
-    if C.default_device().platform != "cpu":
-        return 0
-    return sum(1 for line in compiled.as_text().splitlines() if LIBRARY_FUSION.search(line))
+    return library_figures(compiled)["library_fusions"]
 
 
 def _compile(closed, materialized: bool = False):
@@ -146,17 +166,17 @@ def settle(closed, new, report, platform: str, rewrite_lean, *, patterns=(), tun
     cache = (tuner or tuning.SETTLING).cache
     try:
         key = {**tuning._key(closed, {"xla": closed, "auto": new, "lean": lean}, patterns),
-               "decision": "temp bytes"}
+               "decision": "held bytes"}
         entry = cache.entry(key)
-        if entry is not None and isinstance(entry.get("temp_bytes"), dict):
-            choice, temps = entry["choice"], entry["temp_bytes"]
+        if entry is not None and isinstance(entry.get("held_bytes"), dict):
+            choice, temps = entry["choice"], entry["held_bytes"]
         else:
-            temps = {"xla": temp_bytes(closed), "auto": temp_bytes(new)}
+            temps = {"xla": held_bytes(closed), "auto": held_bytes(new)}
             choice = "auto"
             if temps["auto"] > temps["xla"]:
-                temps["lean"] = temp_bytes(lean)
+                temps["lean"] = held_bytes(lean)
                 choice = "lean" if temps["lean"] <= temps["xla"] else "xla"
-            cache.put(key, choice, {}, temp_bytes=temps)
+            cache.put(key, choice, {}, held_bytes=temps)
     except Exception as e:  # noqa: BLE001 - e.g. constants of an enclosing trace
         # Unchecked, those sites may raise the temp: they are left to XLA.
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
@@ -164,7 +184,7 @@ def settle(closed, new, report, platform: str, rewrite_lean, *, patterns=(), tun
                                             f"jax.jit's ({why})", lean)
     if choice == "auto":
         return new, report
-    more = (f"fused, the program would hold {human_bytes(temps['auto'])} of temp, "
+    more = (f"fused, the program would hold {human_bytes(temps['auto'])} in a call, "
             f"{human_bytes(temps['auto'] - temps['xla'])} more than jax.jit's "
             f"({human_bytes(temps['xla'])})")
     if choice == "lean":
@@ -172,6 +192,26 @@ def settle(closed, new, report, platform: str, rewrite_lean, *, patterns=(), tun
     more_still = (f"{more}, and {human_bytes(temps['lean'])} without the sites that write "
                   f"values out for their calls: every site is left to XLA")
     return closed, _all_declined(lean_report, more_still, closed)
+
+
+def holds_no_more(closed, new, patterns=(), tuner=None) -> bool:
+    """Whether a call of `new` (a rewrite of `closed` whose sites carry no cost
+    facts, such as every safe site fused) holds no more than jax.jit's program:
+    the whole programs compared, the verdict stored as `settle` stores its own.
+    False where they cannot be compared."""
+    cache = (tuner or tuning.SETTLING).cache
+    try:
+        key = {**tuning._key(closed, {"xla": closed, "new": new}, patterns),
+               "decision": "held bytes, whole"}
+        entry = cache.entry(key)
+        if entry is not None and isinstance(entry.get("held_bytes"), dict):
+            return entry["choice"] == "new"
+        temps = {"xla": held_bytes(closed), "new": held_bytes(new)}
+        choice = "new" if temps["new"] <= temps["xla"] else "xla"
+        cache.put(key, choice, {}, held_bytes=temps)
+        return choice == "new"
+    except Exception:  # noqa: BLE001 - e.g. constants of an enclosing trace
+        return False
 
 
 def _cause(facts) -> str:

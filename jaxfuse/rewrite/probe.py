@@ -13,8 +13,8 @@ site whose ops land inside a library fusion is given back to XLA
 (`SiteFacts.xla_fuses`: its lowering emits XLA's ops, `explain` says why).
 
 Only programs with such sites pay for this: one compile of the program as
-XLA sees it, and where XLA does take sites, the two programs (sites given
-back, sites kept) compiled and timed once per program and device (at most
+XLA sees it, and where XLA does take sites, the programs (sites given
+back, sites kept, every safe site fused) compiled and timed once per program and device (at most
 `Autotuner.budget_s` of timing; the decision is stored as `policy="measure"`
 stores its own).
 """
@@ -72,18 +72,23 @@ def mark(closed: C.ClosedJaxpr, numbers: set[int]) -> C.ClosedJaxpr:
     return subjaxprs.map_eqns(closed, give_back)
 
 
-def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None, time_it=False):
+def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None, time_it=False,
+           rewrite_all=None):
     """After an `auto` rewrite (`new`, `report`, its cost model `model`) of
     `closed`: probe its conv-band sites and settle those XLA fuses with their
     neighbours. Giving them back keeps XLA's library fusion, which is not
     always the faster program (splitting the one XLA grows over a ResNet-50's
-    last blocks and classifier can win; bench/results/README.md), so the two programs
-    are timed (`tuning.choose_among`, remembered on disk per program and
+    last blocks and classifier can win; bench/results/README.md), so the
+    programs are timed (`tuning.choose_among`, remembered on disk per program and
     device) when `time_it` and the program can be run on stand-in data;
     otherwise, or when a stored decision is not found by `explain`, they go
     back. `rewrite_again(give_back)` reruns the rewrite declining them; its
     result is taken when it declines exactly them, else `new` with them marked
-    (they lower to XLA's ops). Returns (jaxpr, report)."""
+    (they lower to XLA's ops). `rewrite_all()`, where given, is the rewrite
+    with every safe site fused: a third candidate, since a fusion split at
+    some of its sites keeps the rest in a library fusion of its own, whose
+    workspace adds to the calls' buffers (memory.py); it is taken only if a
+    call of it holds no more than jax.jit's program. Returns (jaxpr, report)."""
     if not model.probed:
         return new, report
     tuner = tuner or tuning.SETTLING
@@ -100,6 +105,11 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
     n = len(numbers)
     sites = f"{n} site{'s' * (n != 1)} XLA:CPU fuses into a library fusion"
     candidates = {"given_back": again, "kept": new}
+    every = every_report = None
+    if rewrite_all is not None:
+        every, every_report = rewrite_all()
+        every = pacing.settle(every)
+        candidates["every"] = every
     why_not = tuning.untimeable(closed)
     if why_not is None and time_it:
         choice, measured = tuning.choose_among(closed, candidates, patterns, tuner,
@@ -111,6 +121,13 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
         choice = choice or "given_back"
     else:
         choice, measured = "given_back", False
+    if choice == "every" and (not memory.CHECKING
+                              or memory.holds_no_more(closed, every, patterns, tuner)):
+        every_report = dataclasses.replace(
+            every_report, policy=report.policy, jaxpr=every,
+            measured=(f"{sites}: every safe site fused, timed faster than XLA's fusion of "
+                      f"them and than fusing only those"))
+        return every, every_report
     if choice == "kept":
         report.measured = f"{sites}: kept fused, timed faster than XLA's fusion of them"
         return new, report

@@ -247,6 +247,12 @@ class Report:
             if hidden:
                 summary += ("\n  (XLA's temp figures leave out what XLA:CPU's library fusions "
                             f"hold in their own workspace: {' and '.join(hidden)})")
+                jit, opt = self.memory["jit"]["held"], self.memory["optimized"]["held"]
+                change = ("the same" if opt == jit else
+                          f"{'+' if opt > jit else '-'}{human_bytes(abs(opt - jit))}")
+                summary += (f"\nheld in a call (temp and the largest library fusion's estimated "
+                            f"workspace): {human_bytes(jit)} with jax.jit, {human_bytes(opt)} "
+                            f"optimized ({change})")
             if self.memory.get("calls") is not None:
                 summary += _per_call_lines(self.memory["calls"])
         if not rows:

@@ -62,7 +62,7 @@ import jax
 from .. import _compat as C
 from .. import _isa
 from .._version import __version__
-from . import subjaxprs
+from . import library_memory, subjaxprs
 
 VARIANTS = ("xla", "auto", "always")
 
@@ -230,11 +230,11 @@ def fingerprint(program) -> str:
     return known
 
 
-# Temp bytes XLA reported for the candidates `_time` compiled, by device and
-# program: the memory check (memory.py) compiles the program auto chose, often
-# one of them.
-_TEMP_BYTES: dict[tuple, int] = {}
-_TEMP_BYTES_KEPT = 64
+# What a call of each candidate `_time` compiled holds (memory.held_of), by
+# device and program: the memory check (memory.py) compiles the program auto
+# chose, often one of them.
+_HELD_BYTES: dict[tuple, int] = {}
+_HELD_BYTES_KEPT = 64
 
 
 def _temp_key(program) -> tuple:
@@ -242,16 +242,16 @@ def _temp_key(program) -> tuple:
     return device.platform, device.device_kind, fingerprint(program)
 
 
-def seen_temp_bytes(program) -> int | None:
-    """The temp bytes XLA reported for `program` when a tuner compiled it for
-    the default device in this process, or None."""
-    return _TEMP_BYTES.get(_temp_key(program))
+def seen_held_bytes(program) -> int | None:
+    """What a call of `program` holds (memory.held_of), when a tuner compiled
+    it for the default device in this process; else None."""
+    return _HELD_BYTES.get(_temp_key(program))
 
 
-def _remember_temp(program, temp: int) -> None:
-    if len(_TEMP_BYTES) >= _TEMP_BYTES_KEPT:
-        _TEMP_BYTES.pop(next(iter(_TEMP_BYTES)))
-    _TEMP_BYTES[_temp_key(program)] = temp
+def _remember_held(program, held: int) -> None:
+    if len(_HELD_BYTES) >= _HELD_BYTES_KEPT:
+        _HELD_BYTES.pop(next(iter(_HELD_BYTES)))
+    _HELD_BYTES[_temp_key(program)] = held
 
 
 # The parts of a key every process of a job shares (its host and flags may differ).
@@ -440,7 +440,7 @@ def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: 
     computing what `closed` computes), timed as `policy="measure"` times them and
     remembered under the same kind of key; `default` when they cannot be
     timed (`measured` False: `tuner.skipped` says why). No candidate holding
-    more temp bytes than `baseline` is timed (the first of them, when they
+    more bytes in a call than `baseline` (memory.held_of) is timed (the first of them, when they
     compile to the same program), unless `check_memory` is False
     (`memory.CHECKING`)."""
     distinct = _distinct(candidates)
@@ -525,9 +525,9 @@ def stored_choice(closed, candidates: dict, patterns, tuner: Autotuner) -> str |
     return tuner.cache.get(_key(closed, distinct, patterns))
 
 
-def _temp_bytes(compiled) -> int | None:
+def _held_bytes(compiled) -> int | None:
     try:
-        return int(compiled.memory_analysis().temp_size_in_bytes)
+        return library_memory.held_of(compiled)
     except Exception:  # noqa: BLE001 - a backend that does not report memory
         return None
 
@@ -536,18 +536,18 @@ def _time(tuner: Autotuner, distinct: dict, closed, order_seed: str, limit: floa
           baseline: str, mesh=None, fixed_rounds: bool = False, check_memory: bool = True) -> dict:
     """{candidate: [seconds per round]}; raises `_Overrun` when a run does not
     end within `limit` seconds. A candidate whose compiled program holds more
-    temp bytes than XLA's own is not timed: it is
+    bytes in a call than XLA's own (memory.held_of) is not timed: it is
     never chosen, since optimize must not raise a program's memory. On `mesh`
     (its arguments sharded as their types say); `fixed_rounds`: all `rounds`,
     whatever the budget, so that every process runs the same programs."""
     with C.mesh_context(mesh):
         args = _inputs(closed, mesh=mesh)
         compiled = {name: _compiled(v, args) for name, v in distinct.items()}
-    temps = {name: _temp_bytes(fn) for name, fn in compiled.items()}
+    temps = {name: _held_bytes(fn) for name, fn in compiled.items()}
     if mesh is None:  # compiled as memory.py compiles them: for the default device
         for name, temp in temps.items():
             if temp is not None:
-                _remember_temp(distinct[name], temp)
+                _remember_held(distinct[name], temp)
     if temps.get(baseline) is not None and check_memory:
         compiled = {name: fn for name, fn in compiled.items() if name == baseline
                     or temps[name] is None or temps[name] <= temps[baseline]}
