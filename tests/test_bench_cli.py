@@ -116,7 +116,8 @@ def test_cli_exit_code_table_and_legend(quick_run):
             assert re.search(rf"^{wl} float32 jaxfuse \(policy=always\) \[{tm}\]: \d+ BEATS, \d+ TIES, "
                              rf"\d+ LOSES of 2 cases", out, re.M), out
     assert re.search(r"^mlp float32 jaxfuse \(policy=auto\) \[latency\]: ", out, re.M)
-    assert re.search(r"^model workloads, compiled temp bytes against XLA: jaxfuse \(auto\) more in "
+    assert re.search(r"^model workloads, bytes held in a call \(temp and library workspace\) "
+                     r"against XLA: jaxfuse \(auto\) more in "
                      r"\d+ of 2\b.*; jaxfuse-always more in \d+ of 2\b", out, re.M), out
     assert "reference bandwidth:" in out
     # human-readable bytes: 4096 float32 x 3 passes = 48 KiB
@@ -516,7 +517,7 @@ def test_memory_ratios_table_and_summary():
     line = report.verdicts(recs)[-1]
     # Four cases per mode, counted once each however many timing modes they ran in.
     assert line == (
-        "model workloads, compiled temp bytes against XLA: "
+        "model workloads, bytes held in a call (temp and library workspace) against XLA: "
         "jaxfuse (auto) more in 0 of 4, largest 1.000x, argument/output bytes differ from xla's "
         "in 1: cnn bfloat16; "
         "jaxfuse-always more in 3 of 3 (1 over xla's 0 B: relu_add float32 8 KiB), largest other "
@@ -547,7 +548,8 @@ def test_a_temp_figure_that_leaves_out_library_fusions_is_marked():
     # the ratio adds the estimated workspace: the library fusion's values against the calls' buffers
     assert recs[1]["temp_ratio"] == 6291840 / (2560 + 6291456)
     assert report.memory_summary(recs).startswith(
-        "model workloads, compiled temp bytes against XLA: jaxfuse-always more in 0 of 2")
+        "model workloads, bytes held in a call (temp and library workspace) against XLA: "
+        "jaxfuse-always more in 0 of 2")
     assert cell[("mlp", "xla")] == "1000 B" and cell[("mlp", "jaxfuse-always")] == "1000 B"
     table = report.format_table(recs).splitlines()
     assert table[-1] == report.LIBRARY_FUSIONS_NOTE

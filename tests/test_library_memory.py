@@ -7,7 +7,7 @@ modules (the arithmetic), on compiled programs (a program without library
 fusions holds exactly XLA's temp), and on the two-block haiku ResNet, whose
 forms' peak resident growth was measured (bench/results,
 memory-rss-cpu-avx512-2026-12-03.txt: jit 10.5 MiB, every site fused 8.1 MiB,
-four sites fused and the last block left in its fusion 12.1 MiB): the
+four sites fused and the last block left in its fusion 12.1 MiB; memory-rss-held-cpu-avx512-2026-12-03.txt reads 10.6, 8.2 and 12.1): the
 estimate must order them as the measurement does.
 """
 
@@ -112,16 +112,56 @@ def test_what_a_call_holds_is_xlas_temp_plus_the_largest_workspace(rng):
     w = jnp.asarray(rng.standard_normal((3, 3, 8, 8)), jnp.float32)
     compiled = jax.jit(_conv_net).lower(x, w).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    found = L.workspace_bytes(compiled.as_text())
-    assert len(found) == memory.library_fusion_count(compiled) > 0
-    assert memory.held_of(compiled) == temp + max(b for _n, b in found)
+    text = compiled.as_text()
+    if "kind=kCustom" not in text:
+        pytest.skip("this XLA hands no convolution to a library")
+    found = dict(L.workspace_bytes(text))
+    assert found and set(found) == set(L.library_fusion_calls(text))
+    bodies = {b.split(" ", 1)[0]: b for b in re.split(r"\n(?=%)", text)}
+    for name, workspace in found.items():
+        if bodies.get(name, "").count(" convolution(") > 1:
+            # the first convolution's result feeds the second through the ReLU: one
+            # 4x16x16x8 float32 value at least is written out inside the fusion
+            assert workspace >= 4 * 16 * 16 * 8 * 4, (name, workspace)
+    assert memory.held_of(compiled) >= temp
     report = jaxfuse.explain(_conv_net, x, w, memory=True)
     assert report.memory["jit"]["held"] == memory.held_of(compiled)
+    assert report.memory["jit"]["library_workspace"] == max(found.values())
     assert re.search(r"held in a call \(temp and the largest library fusion's estimated "
                      r"workspace\): .* with jax.jit", str(report))
-    # no library fusion: exactly XLA's figure
+    # a program without library fusions holds exactly XLA's figure
     plain = jax.jit(lambda a, b: jax.nn.relu(a + b)).lower(x, x).compile()
-    assert memory.held_of(plain) == plain.memory_analysis().temp_size_in_bytes
+    if memory.library_fusion_count(plain) == 0:
+        assert memory.held_of(plain) == plain.memory_analysis().temp_size_in_bytes
+
+
+def test_a_library_fusion_whose_body_is_missing_is_no_zero():
+    text = _MODULE.replace("calls=%fused_computation,", "calls=%fused_computation.9,")
+    with pytest.raises(ValueError, match="fused_computation.9: its body was not found"):
+        L.workspace_bytes(text)
+
+
+def test_fusion_lines_are_found_by_their_kind_not_their_metadata():
+    tuple_line = ("  %f = (f32[2]{0}, f32[3]{0}, f32[3]{0}, f32[3]{0}, f32[3]{0}, /*index=5*/f32[4]{0}) "
+                  "fusion(%a, %b), kind=kCustom, calls=%fc.1, metadata={op_name=\"x(y)\"}")
+    loop_line = ('  %g = f32[2]{0} fusion(%a), kind=kLoop, calls=%fc.2, '
+                 'metadata={op_name="kind=kCustom, calls=%zz"}')
+    assert L.library_fusion_calls(tuple_line + "\n" + loop_line) == ["%fc.1"]
+
+
+def test_a_value_read_twice_by_one_op_is_still_read_once():
+    # max.1 = maximum(sub.1, sub.1): one reader, so sub.1 stays in max.1's loop
+    text = _MODULE.replace("maximum(%sub.1, %zeros)", "maximum(%sub.1, %sub.1)")
+    assert L.workspace_bytes(text)[0][1] == 2 * 8 * 8 * 64 * 4
+
+
+def test_what_a_root_bitcast_passes_on_is_the_output():
+    text = _MODULE.replace(
+        "  ROOT %sum = f32[1,64]{1,0} reduce(%max.2, %zero), dimensions={1,2}, to_apply=%region_0",
+        "  %sum = f32[1,64]{1,0} reduce(%max.2, %zero), dimensions={1,2}, to_apply=%region_0\n"
+        "  %both = (f32[1,64]{1,0}, f32[1,8,8,64]{3,2,1,0}) tuple(%sum, %max.1)\n"
+        "  ROOT %out = (f32[1,64]{1,0}, f32[1,8,8,64]{3,2,1,0}) copy(%both)")
+    assert L.workspace_bytes(text)[0][1] == 8 * 8 * 64 * 4
 
 
 # ----------------------------------------------- the two-block haiku ResNet
@@ -214,24 +254,6 @@ def test_auto_splits_the_whole_fusion_or_none_of_it(winner):
     assert ("every safe site fused" if winner == "every" else "given back") in report.measured
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's library fusions")
-def test_a_whole_rewrite_that_holds_more_is_refused(rng, tmp_path):
-    """`holds_no_more` compares whole programs and stores its verdict."""
-    from jaxfuse.bench import models as M
-
-    spec = M.BUILDERS["resnet_block"](M.size_for("resnet_block", "quick"), jnp.float32,
-                                      jax.random.PRNGKey(0))
-    data = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s, _ in spec.data_shapes]
-    closed = jax.make_jaxpr(spec.fn)(spec.params, *data)
-    always = jaxfuse.explain(spec.fn, spec.params, *data, policy="always").jaxpr
-    tuner = tuning.Autotuner(cache=tuning.TuningCache(str(tmp_path)))
-    # per-channel operands written out for the calls: more than jit's program
-    assert memory.held_bytes(always) > memory.held_bytes(closed)
-    assert not memory.holds_no_more(closed, always, (), tuner)
-    assert memory.holds_no_more(closed, closed, (), tuner)
-    assert len(list(tmp_path.rglob("*.json"))) >= 1
-
-
 def test_the_parts_of_a_tuple_root_are_outputs_not_workspace():
     text = _MODULE.replace(
         "  ROOT %sum = f32[1,64]{1,0} reduce(%max.2, %zero), dimensions={1,2}, to_apply=%region_0",
@@ -240,3 +262,45 @@ def test_the_parts_of_a_tuple_root_are_outputs_not_workspace():
     (found,) = L.workspace_bytes(text)
     # max.1 is an output now: conv.1, then conv.2, are the only values written out
     assert found[1] == 8 * 8 * 64 * 4
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's library fusions")
+@pytest.mark.measured_isa
+def test_the_faster_program_is_refused_if_it_holds_more_than_jits(monkeypatch):
+    """The timing compares memory with the sites given back, not with jit's
+    program: the program it picks is checked against jit's before it is taken."""
+    spec, data, closed = _haiku_resnet_eval()
+    monkeypatch.setattr(memory, "holds_no_more", lambda *a, **k: False)
+    tuner = _prefer("every")
+    g = jaxfuse.optimize(spec.fn, autotuner=tuner)
+    out = g(spec.params, *data)
+    assert tuner.log[0][1] == "every"
+    assert bool(jnp.all(out == jax.jit(spec.fn)(spec.params, *data)))
+    text = jax.jit(g).lower(spec.params, *data).compile().as_text()
+    assert 'custom_call_target="jaxfuse' not in text
+    from jaxfuse.rewrite.api import rewrite_for
+    from jaxfuse.rewrite.patterns import resolve
+
+    report = rewrite_for(closed, resolve(None), "auto", "cpu", tuner=tuner)[1]
+    assert "given back; the faster program (every) would hold more in a call than jax.jit's" \
+        in report.measured and not report.fused
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's library fusions")
+def test_the_whole_programs_verdict_is_stored(rng, tmp_path, monkeypatch):
+    from jaxfuse.bench import models as M
+
+    spec = M.BUILDERS["resnet_block"](M.size_for("resnet_block", "quick"), jnp.float32,
+                                      jax.random.PRNGKey(0))
+    data = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s, _ in spec.data_shapes]
+    closed = jax.make_jaxpr(spec.fn)(spec.params, *data)
+    always = jaxfuse.explain(spec.fn, spec.params, *data, policy="always").jaxpr
+    # per-channel operands written out for the calls: more than jit's program
+    assert memory.held_bytes(always) > memory.held_bytes(closed)
+    tuner = tuning.Autotuner(cache=tuning.TuningCache(str(tmp_path)))
+    assert not memory.holds_no_more(closed, always, (), tuner)
+    compiles = []
+    monkeypatch.setattr(memory, "held_bytes", lambda c: compiles.append(c) or 0)
+    assert not memory.holds_no_more(closed, always, (), tuner)  # read back, not compiled
+    assert compiles == []
+    assert memory.holds_no_more(closed, closed, (), tuner) and len(compiles) == 2

@@ -279,7 +279,7 @@ def test_explain_gives_the_bytes_each_fused_call_saves_or_costs(rng):
     step, args = _one_layer_grad(rng)
     report = jaxfuse.explain(step, *args, policy="always", memory="calls")
     (call,) = report.memory["calls"]
-    assert call.saves == report.memory["jit"]["temp"] - report.memory["optimized"]["temp"] > 0
+    assert call.saves == report.memory["jit"]["held"] - report.memory["optimized"]["held"] > 0
     assert call.shape == (128, 512) and call.dtype == "float32"
     assert call.location == (__file__, _one_layer_grad.__code__.co_firstlineno + 7)
     from jaxfuse.rewrite.report import human_bytes

@@ -506,9 +506,10 @@ def auto_vs_always(records: Sequence[dict]) -> str | None:
 
 
 def memory_summary(records: Sequence[dict]) -> str | None:
-    """The model workloads' compiled temp bytes against XLA's, per jaxfuse mode:
-    in how many cases (workload, dtype, shape; memory does not depend on the
-    timing mode) they are more, the largest temp/xla and where.  None when no
+    """The bytes a call of each model workload's program holds (``held_bytes``:
+    temp plus library workspace) against XLA's, per jaxfuse mode: in how many
+    cases (workload, dtype, shape; memory does not depend on the timing mode)
+    they are more, the largest temp/xla and where.  None when no
     model record has a memory figure."""
     model = [r for r in records if r.get("kind") == "model"]
     if not any(temp_bytes(r) is not None for r in model):
@@ -551,7 +552,8 @@ def memory_summary(records: Sequence[dict]) -> str | None:
         parts.append(text)
     if not parts:
         return None
-    return "model workloads, compiled temp bytes against XLA: " + "; ".join(parts) + "."
+    return ("model workloads, bytes held in a call (temp and library workspace) against XLA: "
+            + "; ".join(parts) + ".")
 
 
 def roofline_summary(records: Sequence[dict], reference: dict | None) -> list[str]:

@@ -25,14 +25,18 @@ import re
 
 from .. import _compat as C
 
-# A library fusion's line in an optimized HLO module's text, naming the computation it calls.
-LIBRARY_FUSION = re.compile(r"=\s*\S+\s+fusion\(.*kind=kCustom.*calls=(%[\w.\-]+)")
+# A library fusion's line in an optimized HLO module's text (its /*index=N*/
+# comments removed), naming the computation it calls; the shape may be a tuple.
+# Its kind is the first `kind=` after the operands (metadata may quote others).
+LIBRARY_FUSION = re.compile(
+    r"=\s*(?:\((?:[^()]|\([^()]*\))*\)|\S+)\s+fusion\((?:(?!kind=).)*kind=kCustom,\s*calls=(%[\w.\-]+)")
+_COMMENT = re.compile(r"/\*.*?\*/")
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s*\(.*\{\s*$")
 # `%name = <shape> opcode(operands), attributes`; a tuple shape is parenthesised.
 _INSTRUCTION = re.compile(
-    r"^\s*(ROOT\s+)?(%[\w.\-]+)\s*=\s*(\([^=]*?\)|[\w]+\[[^\]]*\](?:\{[^}]*\})?)\s+"
-    r"([\w\-]+)\((.*)$")
+    r"^\s*(ROOT\s+)?(%[\w.\-]+)\s*=\s*(\((?:[^()]|\([^()]*\))*\)|[\w]+\[[^\]]*\](?:\{[^}]*\})?)"
+    r"\s+([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _OPERAND = re.compile(r"%[\w.\-]+")
 
@@ -53,6 +57,8 @@ _LOOP = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "negate"
          "shift-right-arithmetic", "shift-right-logical", "popcnt", "real", "imag",
          "bitcast-convert", "transpose", "slice", "pad", "concatenate", "reverse",
          "dynamic-slice", "copy"}
+# Ops whose output is an operand of theirs as it is: a root of these writes the operand itself.
+_PASSING_ON = {"tuple", "bitcast", "reshape", "copy"}
 # Ops that read their operands in their own loop (a reduction takes in the
 # elementwise ops that feed it); every other op needs its operands written out.
 _FUSING_READERS = _LOOP | {"reduce"}
@@ -74,6 +80,7 @@ def _computations(text: str) -> dict[str, list[tuple]]:
     out: dict[str, list[tuple]] = {}
     current = None
     for line in text.splitlines():
+        line = _COMMENT.sub("", line)
         start = _COMPUTATION.match(line)
         if start:
             current = out.setdefault(start.group(1), [])
@@ -99,16 +106,23 @@ def _computations(text: str) -> dict[str, list[tuple]]:
 def _body_workspace(body: list[tuple]) -> int:
     """Peak bytes of the written-out values of one fusion body (see the module)."""
     index = {name: i for i, (name, *_rest) in enumerate(body)}
-    readers: dict[str, list[str]] = {name: [] for name, *_rest in body}
+    readers: dict[str, set[str]] = {name: set() for name, *_rest in body}
     for name, _b, _op, operands, _r in body:
         for o in operands:
             if o in readers:
-                readers[o].append(name)
+                readers[o].add(name)
     opcode = {name: op for name, _b, op, _o, _r in body}
-    # The root is the fusion's output, a buffer XLA counts; so is each part of a tuple root.
-    outputs = {name for name, _b, op, operands, root in body if root}
-    outputs |= {o for name, _b, op, operands, root in body if root and op == "tuple"
-                for o in operands}
+    operands_of = {name: operands for name, _b, _op, operands, _r in body}
+    # The root is the fusion's output, a buffer XLA counts; so is each part of
+    # a tuple root, and what a root bitcast, reshape or copy passes on.
+    outputs, todo = set(), [name for name, *_rest, root in body if root]
+    while todo:
+        name = todo.pop()
+        if name in outputs or name not in opcode:
+            continue
+        outputs.add(name)
+        if opcode[name] in _PASSING_ON:
+            todo.extend(operands_of[name])
     written = set()
     for name, _b, op, _o, _root in body:
         if name in outputs or op in _FREE:
@@ -145,16 +159,33 @@ def _body_workspace(body: list[tuple]) -> int:
     return peak
 
 
-def workspace_bytes(text: str) -> list[tuple[str, int]]:
-    """[(fusion computation, estimated workspace bytes)] for each library fusion
-    in an optimized HLO module's text (`Compiled.as_text()`)."""
-    computations = None
+def library_fusion_calls(text: str) -> list[str]:
+    """The computations the library fusions of an optimized HLO module's text
+    call, one per fusion."""
     out = []
     for line in text.splitlines():
-        m = LIBRARY_FUSION.search(line)
-        if m:
-            computations = computations if computations is not None else _computations(text)
-            out.append((m.group(1), _body_workspace(computations.get(m.group(1), []))))
+        if "kind=kCustom" in line:
+            m = LIBRARY_FUSION.search(_COMMENT.sub("", line))
+            if m:
+                out.append(m.group(1))
+    return out
+
+
+def workspace_bytes(text: str) -> list[tuple[str, int]]:
+    """[(fusion computation, estimated workspace bytes)] for each library fusion
+    in an optimized HLO module's text (`Compiled.as_text()`). Raises ValueError
+    where a fusion's body cannot be read: an unknown workspace is no zero."""
+    called = library_fusion_calls(text)
+    if not called:
+        return []
+    computations = _computations(text)
+    out = []
+    for name in called:
+        body = computations.get(name)
+        if not body:
+            raise ValueError(f"library fusion {name}: its body was not found in the module's "
+                             f"text, so its workspace cannot be estimated")
+        out.append((name, _body_workspace(body)))
     return out
 
 

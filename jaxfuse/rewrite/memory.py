@@ -35,7 +35,6 @@ from . import library_memory, pacing, subjaxprs, tuning
 from .cost import give_back_to_xla, site_key
 from .report import human_bytes
 
-LIBRARY_FUSION = library_memory.LIBRARY_FUSION
 _PENDING = "declined: fused, the program would hold more memory than jax.jit's"
 # Off only in tests of the cost model's own rules, which this check would mask,
 # and in probes of what the unchecked program holds. Also governs the tuner's
@@ -55,9 +54,10 @@ def held_bytes(closed) -> int:
     its arguments and outputs: XLA's temp plus its largest library fusion's
     estimated workspace (`library_memory.held_bytes`)."""
     seen = tuning.seen_held_bytes(closed)
-    if seen is not None:
-        return seen
-    return held_of(_compile(closed))
+    if seen is None:
+        seen = held_of(_compile(closed))
+        tuning.remember_held(closed, seen)  # jit's program: the probe's check, then settle's
+    return seen
 
 
 held_of = library_memory.held_of
@@ -68,10 +68,12 @@ def compiled_memory(closed) -> dict:
     argument, output), how many library fusions the program has
     (`library_fusions`: XLA's figures leave out what those hold), the largest
     one's estimated workspace (`library_workspace`) and what a call holds
-    (`held`: temp plus that workspace)."""
+    (`held`: temp plus that workspace; both None where a fusion's body
+    cannot be read)."""
     compiled = _compile(closed)
     mem = {**_memory_of(compiled), **library_figures(compiled)}
-    mem["held"] = mem["temp"] + mem["library_workspace"]
+    mem["held"] = (None if mem["library_workspace"] is None
+                   else mem["temp"] + mem["library_workspace"])
     return mem
 
 
@@ -80,22 +82,26 @@ def library_figures(compiled) -> dict:
     estimated workspace bytes} of a compiled program (0 off CPU)."""
     if C.default_device().platform != "cpu":
         return {"library_fusions": 0, "library_workspace": 0}
-    found = library_memory.workspace_bytes(compiled.as_text())
-    return {"library_fusions": len(found),
-            "library_workspace": max((b for _name, b in found), default=0)}
+    text = compiled.as_text()
+    try:
+        workspace = max((b for _name, b in library_memory.workspace_bytes(text)), default=0)
+    except ValueError:  # a body this parser cannot read: unknown, not 0
+        workspace = None
+    return {"library_fusions": len(library_memory.library_fusion_calls(text)),
+            "library_workspace": workspace}
 
 
 @dataclasses.dataclass(frozen=True)
 class CallBytes:
-    """What one fused call does to its program's temp bytes (`per_call`)."""
+    """What one fused call does to the bytes a call of its program holds (`per_call`)."""
 
     location: tuple[str, int] | None
     """(file, line) of the user's code that made the site."""
     shape: tuple
     dtype: str
     saves: int
-    """Temp bytes the program holds with this call given back to XLA's ops,
-    minus those it holds with the call (negative: the call costs bytes)."""
+    """Bytes a call of the program holds (`held_bytes`) with this call given
+    back to XLA's ops, minus those with the call (negative: the call costs bytes)."""
 
 
 def per_call(closed) -> list[CallBytes]:

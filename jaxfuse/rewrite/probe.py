@@ -27,7 +27,7 @@ import re
 import jax
 
 from .. import _compat as C
-from . import memory, pacing, subjaxprs, tuning
+from . import library_memory, memory, pacing, subjaxprs, tuning
 from .cost import PROBE_SCOPE, PROBING, XLA_FUSES_REASON, give_back_to_xla
 
 _COMPUTATION = re.compile(r"^(%[\w.\-]+)\s+\(", re.M)
@@ -47,11 +47,7 @@ def tagged_in_library_fusions(text: str) -> set[int]:
     """Probe numbers named inside the computations that `kind=kCustom` fusions
     (XLA:CPU's library fusions: YNNPACK, XNNPACK, oneDNN) call, in an
     optimized HLO module's text."""
-    called = set()
-    for line in text.splitlines():
-        m = memory.LIBRARY_FUSION.search(line)
-        if m:
-            called.add(m.group(1))
+    called = set(library_memory.library_fusion_calls(text))
     found = set()
     tag = re.compile(rf"{PROBE_SCOPE}(\d+)/")
     starts = list(_COMPUTATION.finditer(text))
@@ -87,8 +83,10 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
     (they lower to XLA's ops). `rewrite_all()`, where given, is the rewrite
     with every safe site fused: a third candidate, since a fusion split at
     some of its sites keeps the rest in a library fusion of its own, whose
-    workspace adds to the calls' buffers (memory.py); it is taken only if a
-    call of it holds no more than jax.jit's program. Returns (jaxpr, report)."""
+    workspace adds to the calls' buffers (memory.py). The timing compares
+    the candidates' memory with the sites given back; the one chosen, if not
+    that, is taken only if a call of it holds no more than jax.jit's program.
+    Returns (jaxpr, report)."""
     if not model.probed:
         return new, report
     tuner = tuner or tuning.SETTLING
@@ -121,8 +119,14 @@ def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None
         choice = choice or "given_back"
     else:
         choice, measured = "given_back", False
-    if choice == "every" and (not memory.CHECKING
-                              or memory.holds_no_more(closed, every, patterns, tuner)):
+    chosen = {"every": every, "kept": new}.get(choice)
+    if chosen is not None and memory.CHECKING and not memory.holds_no_more(
+            closed, chosen, patterns, tuner):
+        # Timed against the sites given back, not against jit's own program.
+        again_report.measured = (f"{sites}: given back; the faster program ({choice}) would "
+                                 f"hold more in a call than jax.jit's")
+        return again, again_report
+    if choice == "every":
         every_report = dataclasses.replace(
             every_report, policy=report.policy, jaxpr=every,
             measured=(f"{sites}: every safe site fused, timed faster than XLA's fusion of "

@@ -247,12 +247,16 @@ class Report:
             if hidden:
                 summary += ("\n  (XLA's temp figures leave out what XLA:CPU's library fusions "
                             f"hold in their own workspace: {' and '.join(hidden)})")
-                jit, opt = self.memory["jit"]["held"], self.memory["optimized"]["held"]
-                change = ("the same" if opt == jit else
-                          f"{'+' if opt > jit else '-'}{human_bytes(abs(opt - jit))}")
-                summary += (f"\nheld in a call (temp and the largest library fusion's estimated "
-                            f"workspace): {human_bytes(jit)} with jax.jit, {human_bytes(opt)} "
-                            f"optimized ({change})")
+                jit, opt = self.memory["jit"].get("held"), self.memory["optimized"].get("held")
+                if jit is None or opt is None:
+                    summary += ("\nheld in a call: not known (a library fusion's body could "
+                                "not be read)")
+                else:
+                    change = ("the same" if opt == jit else
+                              f"{'+' if opt > jit else '-'}{human_bytes(abs(opt - jit))}")
+                    summary += (f"\nheld in a call (temp and the largest library fusion's "
+                                f"estimated workspace): {human_bytes(jit)} with jax.jit, "
+                                f"{human_bytes(opt)} optimized ({change})")
             if self.memory.get("calls") is not None:
                 summary += _per_call_lines(self.memory["calls"])
         if not rows:
@@ -266,9 +270,9 @@ class Report:
 
 def _per_call_lines(calls) -> str:
     if not calls:
-        return "\ntemp bytes per fused call: no fused calls"
-    lines = ["\ntemp bytes per fused call (against the program with that call given back to "
-             "XLA's ops; one compile each):"]
+        return "\nbytes held in a call, per fused call: no fused calls"
+    lines = ["\nbytes held in a call, per fused call (against the program with that call given "
+             "back to XLA's ops; one compile each):"]
     for c in calls:
         what = (f"saves {human_bytes(c.saves)}" if c.saves > 0 else
                 f"costs {human_bytes(-c.saves)}" if c.saves < 0 else "no change")

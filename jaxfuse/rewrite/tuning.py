@@ -248,7 +248,8 @@ def seen_held_bytes(program) -> int | None:
     return _HELD_BYTES.get(_temp_key(program))
 
 
-def _remember_held(program, held: int) -> None:
+def remember_held(program, held: int) -> None:
+    """Keep `held` as what a call of `program`, compiled for the default device, holds."""
     if len(_HELD_BYTES) >= _HELD_BYTES_KEPT:
         _HELD_BYTES.pop(next(iter(_HELD_BYTES)))
     _HELD_BYTES[_temp_key(program)] = held
@@ -264,12 +265,17 @@ def _code_flags(xla_flags: str) -> list[str]:
     return sorted(f for f in xla_flags.split() if not f.startswith("--xla_dump"))
 
 
+# How candidates' memory is compared (memory.py): decisions made under another
+# rule are never reused. "held-1": XLA's temp plus library fusions' estimated workspace.
+MEMORY_MODEL = "held-1"
+
+
 def _key(closed, variants: dict, patterns) -> dict:
     """What a decision depends on: the device it was timed on (the default
     device, where the candidates are compiled and run; on CPU, whose device
     kind is only "cpu", the processor's model, core count and the ISA XLA
     targets), XLA_FLAGS (which change the code XLA makes, and its temp
-    bytes), the versions, the program and every distinct candidate (which
+    bytes), the versions and the rule memory is compared by, the program and every distinct candidate (which
     the patterns and the cost model's platform shape), the argument and
     constant shapes. A cache directory shared by different machines so never
     hands one a decision timed on another."""
@@ -283,7 +289,7 @@ def _key(closed, variants: dict, patterns) -> dict:
     return {"device": device.device_kind, "platform": device.platform, **host,
             "xla_flags": _code_flags(os.environ.get("XLA_FLAGS", "")),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "jaxfuse": __version__,
-            "jaxpr": fingerprint(closed.jaxpr), "args": avals, "consts": consts,
+            "memory": MEMORY_MODEL, "jaxpr": fingerprint(closed.jaxpr), "args": avals, "consts": consts,
             "patterns": sorted(p.name for p in patterns),
             "candidates": {name: fingerprint(v) for name, v in variants.items()}}
 
@@ -547,7 +553,7 @@ def _time(tuner: Autotuner, distinct: dict, closed, order_seed: str, limit: floa
     if mesh is None:  # compiled as memory.py compiles them: for the default device
         for name, temp in temps.items():
             if temp is not None:
-                _remember_held(distinct[name], temp)
+                remember_held(distinct[name], temp)
     if temps.get(baseline) is not None and check_memory:
         compiled = {name: fn for name, fn in compiled.items() if name == baseline
                     or temps[name] is None or temps[name] <= temps[baseline]}
