@@ -1,5 +1,6 @@
 """Helpers shared by the fusion-pass tests (test_rewrite_*, test_explain*,
-test_stax_model, test_patterns_registry).
+test_stax_model, test_patterns_registry, test_memory,
+test_library_memory).
 
 Why values are not always compared bit for bit
 ----------------------------------------------
@@ -80,3 +81,13 @@ def assert_values(got, want):
 # safe site fused; test_cost_model.py pins what policy="auto" decides.
 fuse = functools.partial(jaxfuse.optimize, policy="always")
 explain_all = functools.partial(jaxfuse.explain, policy="always")
+
+
+def conv_net(x, w):
+    """Two NHWC convolutions with a ReLU between and a closing mean: XLA:CPU
+    hands it to a library fusion (test_memory, test_library_memory)."""
+    dn = ("NHWC", "HWIO", "NHWC")
+    h = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn)
+    h = jax.nn.relu(h * 2.0 + 1.0)
+    h = jax.lax.conv_general_dilated(h, w, (1, 1), "SAME", dimension_numbers=dn)
+    return h.mean(axis=(1, 2))

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
+from rewrite_support import conv_net
 from jaxfuse import tuning
 from jaxfuse.rewrite import library_memory as L
 from jaxfuse.rewrite import memory
@@ -98,19 +99,11 @@ def test_an_elementwise_value_read_twice_is_written_out():
     assert found[1] == 3 * act
 
 
-def _conv_net(x, w):
-    dn = ("NHWC", "HWIO", "NHWC")
-    h = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn)
-    h = jax.nn.relu(h * 2.0 + 1.0)
-    h = jax.lax.conv_general_dilated(h, w, (1, 1), "SAME", dimension_numbers=dn)
-    return h.mean(axis=(1, 2))
-
-
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's library fusions")
 def test_what_a_call_holds_is_xlas_temp_plus_the_largest_workspace(rng):
     x = jnp.asarray(rng.standard_normal((4, 16, 16, 8)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((3, 3, 8, 8)), jnp.float32)
-    compiled = jax.jit(_conv_net).lower(x, w).compile()
+    compiled = jax.jit(conv_net).lower(x, w).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     text = compiled.as_text()
     if "kind=kCustom" not in text:
@@ -124,7 +117,7 @@ def test_what_a_call_holds_is_xlas_temp_plus_the_largest_workspace(rng):
             # 4x16x16x8 float32 value at least is written out inside the fusion
             assert workspace >= 4 * 16 * 16 * 8 * 4, (name, workspace)
     assert memory.held_of(compiled) >= temp
-    report = jaxfuse.explain(_conv_net, x, w, memory=True)
+    report = jaxfuse.explain(conv_net, x, w, memory=True)
     assert report.memory["jit"]["held"] == memory.held_of(compiled)
     assert report.memory["jit"]["library_workspace"] == max(found.values())
     assert re.search(r"held in a call \(temp and the largest library fusion's estimated "

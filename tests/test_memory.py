@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 import jaxfuse
 from conftest import assert_bitwise_equal
+from rewrite_support import conv_net
 
 optax = pytest.importorskip("optax", reason="needs the `models` extra (optax)")
 
@@ -228,14 +229,6 @@ def test_a_site_whose_temp_cannot_be_checked_is_left_to_xla(rng):
     assert_bitwise_equal(jax.jit(outer)(x, y), jax.jit(lambda a, b: jax.nn.relu(a + b))(x, y))
 
 
-def _conv_net(x, w):
-    dn = ("NHWC", "HWIO", "NHWC")
-    h = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn)
-    h = jax.nn.relu(h * 2.0 + 1.0)
-    h = jax.lax.conv_general_dilated(h, w, (1, 1), "SAME", dimension_numbers=dn)
-    return h.mean(axis=(1, 2))
-
-
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's library fusions")
 def test_explain_says_where_xla_figures_leave_out_library_fusions(rng):
     """XLA:CPU hands convolutions to YNNPACK as library fusions, whose
@@ -245,12 +238,12 @@ def test_explain_says_where_xla_figures_leave_out_library_fusions(rng):
 
     x = jnp.asarray(rng.standard_normal((4, 16, 16, 8)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((3, 3, 8, 8)), jnp.float32)
-    report = jaxfuse.explain(_conv_net, x, w, policy="always", memory=True)
-    compiled = jax.jit(_conv_net).lower(x, w).compile()
+    report = jaxfuse.explain(conv_net, x, w, policy="always", memory=True)
+    compiled = jax.jit(conv_net).lower(x, w).compile()
     assert report.memory["jit"]["library_fusions"] == memory.library_fusion_count(compiled) > 0
     assert "kind=kCustom" in compiled.as_text()
     assert "leave out what XLA:CPU's library fusions hold" in str(report)
-    closed = jax.make_jaxpr(_conv_net)(x, w)
+    closed = jax.make_jaxpr(conv_net)(x, w)
     assert memory.library_fusion_count(memory._compile(closed, materialized=True)) == 0
     assert memory.temp_bytes(closed, materialized=True) >= memory.temp_bytes(closed)
 
