@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .report import human_bytes
+from .report import held_bytes, human_bytes
 
 MODE_STYLE = {
     "unfused": {"color": "tab:gray", "marker": "s"},
@@ -111,7 +111,7 @@ def _model_panel(ax, recs, dt):
 
 def _memory_panel(ax, recs, dt):
     workloads = list(dict.fromkeys(r["workload"] for r in recs))
-    xla_temp = {r["workload"]: (r.get("memory") or {}).get("temp") for r in recs if r["mode"] == "xla"}
+    xla_held = {r["workload"]: held_bytes(r) for r in recs if r["mode"] == "xla"}
     modes = [m for m in ("jaxfuse", "jaxfuse-always") if any(r["mode"] == m for r in recs)]
     width = 0.8 / max(1, len(modes))
     for j, mode in enumerate(modes):
@@ -121,11 +121,11 @@ def _memory_panel(ax, recs, dt):
             if r is None:
                 continue
             x = i + (j - (len(modes) - 1) / 2) * width
-            own = (r.get("memory") or {}).get("temp")
+            own = held_bytes(r)
             if r.get("temp_ratio") is not None:
                 xs.append(x)
                 ys.append(r["temp_ratio"])
-            elif own and xla_temp.get(wl) == 0:  # no ratio to draw: say so in the bar's place
+            elif own and xla_held.get(wl) == 0:  # no ratio to draw: say so in the bar's place
                 ax.text(x, 0.5, f"{human_bytes(own)} over xla's 0 B", rotation=90, ha="center",
                         va="center", fontsize=7, color=BAR_COLOR[mode], clip_on=True)
         if xs:
@@ -137,9 +137,9 @@ def _memory_panel(ax, recs, dt):
     ax.set_xlim(-0.5, len(workloads) - 0.5)  # a slot with only a note has no bar to span it
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels(workloads, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("temp bytes / xla's")
-    ax.set_title(f"model workloads {dt}: the compiled program's temp bytes as XLA reports them "
-                 f"(memory_analysis; exact), over xla's (above 1: more memory)", fontsize=10)
+    ax.set_ylabel("bytes held in a call / xla's")
+    ax.set_title(f"model workloads {dt}: bytes a call holds (XLA's temp, plus library fusions' "
+                 f"estimated workspace), over xla's (above 1: more memory)", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)
 

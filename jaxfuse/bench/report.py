@@ -144,9 +144,9 @@ def _case_key(r: dict) -> tuple:
     return (r["workload"], r["dtype"], tuple(r["shape"]))
 
 
-def _xla_temps(records: Iterable[dict]) -> dict[tuple, int]:
-    """(workload, dtype, shape) -> the xla record's temp bytes (any timing mode:
-    memory is the compiled program's, the same in both)."""
+def _xla_held(records: Iterable[dict]) -> dict[tuple, int]:
+    """(workload, dtype, shape) -> the xla record's `held_bytes` (any timing
+    mode: memory is the compiled program's, the same in both)."""
     out: dict[tuple, int] = {}
     for r in records:
         if r["mode"] == "xla" and held_bytes(r) is not None:
@@ -157,7 +157,7 @@ def _xla_temps(records: Iterable[dict]) -> dict[tuple, int]:
 def attach_memory_ratios(records: Sequence[dict]) -> None:
     """``temp_ratio`` of each jaxfuse-mode record: its temp bytes / those of the
     xla record of the same (workload, dtype, shape), by the rules of ``temp_ratio``."""
-    xla = _xla_temps(records)
+    xla = _xla_held(records)
     for r in records:
         if r["mode"] in JAXFUSE_MODES:
             r["temp_ratio"] = temp_ratio(held_bytes(r), xla.get(_case_key(r)))
@@ -293,21 +293,21 @@ TABLE_HEAD = ("workload", "dtype", "shape", "bytes", "timing", "mode", "median u
 _LEFT = {0, 1, 2, 4, 5, 13, 15}
 
 
-def _temp_ratio_cell(r: dict, xla_temp: int | None) -> str:
+def _temp_ratio_cell(r: dict, xla_held: int | None) -> str:
     if r["mode"] not in JAXFUSE_MODES:
         return ""
     ratio = r.get("temp_ratio")
     if ratio is not None:
         return f"{ratio:.3f}"
     own = held_bytes(r)
-    if xla_temp == 0 and own:
+    if xla_held == 0 and own:
         return "> xla's 0 B"
     return "-"
 
 
 def table_rows(records: Sequence[dict]) -> list[tuple]:
     rows = []
-    xla_temps = _xla_temps(records)
+    xla_held = _xla_held(records)
     for (wl, dt, shape), by_tm in _groups(records).items():
         for tm in [t for t in TIMING_MODES if t in by_tm] + [t for t in by_tm if t not in TIMING_MODES]:
             by_mode = by_tm[tm]
@@ -334,7 +334,7 @@ def table_rows(records: Sequence[dict]) -> list[tuple]:
                     (r.get("verdict") or "") if mode in JAXFUSE_MODES else "",
                     _fmt(unf, ".2f", none=""), impl, sites,
                     human_bytes(temp_bytes(r)) + ("*" if _library_fusions(r) else ""),
-                    _temp_ratio_cell(r, xla_temps.get((wl, dt, shape))),
+                    _temp_ratio_cell(r, xla_held.get((wl, dt, shape))),
                 ))
     return rows
 
@@ -514,7 +514,7 @@ def memory_summary(records: Sequence[dict]) -> str | None:
     model = [r for r in records if r.get("kind") == "model"]
     if not any(temp_bytes(r) is not None for r in model):
         return None
-    xla = _xla_temps(model)
+    xla = _xla_held(model)
     xla_rec = {_case_key(r): r for r in model if r["mode"] == "xla"}
     parts = []
     for mode in JAXFUSE_MODES:

@@ -189,10 +189,16 @@ def workspace_bytes(text: str) -> list[tuple[str, int]]:
     return out
 
 
+def largest_workspace(text: str) -> int:
+    """The largest library fusion's estimated workspace (0 without any);
+    raises as `workspace_bytes` does."""
+    return max((b for _name, b in workspace_bytes(text)), default=0)
+
+
 def held_bytes(temp: int, text: str) -> int:
     """The bytes a call of the compiled program holds beyond its arguments and
     outputs: XLA's `temp` plus the largest library fusion's workspace."""
-    return temp + max((b for _name, b in workspace_bytes(text)), default=0)
+    return temp + largest_workspace(text)
 
 
 def held_of(compiled) -> int:

@@ -84,7 +84,7 @@ def library_figures(compiled) -> dict:
         return {"library_fusions": 0, "library_workspace": 0}
     text = compiled.as_text()
     try:
-        workspace = max((b for _name, b in library_memory.workspace_bytes(text)), default=0)
+        workspace = library_memory.largest_workspace(text)
     except ValueError:  # a body this parser cannot read: unknown, not 0
         workspace = None
     return {"library_fusions": len(library_memory.library_fusion_calls(text)),
@@ -173,16 +173,15 @@ def settle(closed, new, report, platform: str, rewrite_lean, *, patterns=(), tun
     try:
         key = {**tuning._key(closed, {"xla": closed, "auto": new, "lean": lean}, patterns),
                "decision": "held bytes"}
-        entry = cache.entry(key)
-        if entry is not None and isinstance(entry.get("held_bytes"), dict):
-            choice, temps = entry["choice"], entry["held_bytes"]
-        else:
+
+        def decide():
             temps = {"xla": held_bytes(closed), "auto": held_bytes(new)}
-            choice = "auto"
-            if temps["auto"] > temps["xla"]:
-                temps["lean"] = held_bytes(lean)
-                choice = "lean" if temps["lean"] <= temps["xla"] else "xla"
-            cache.put(key, choice, {}, held_bytes=temps)
+            if temps["auto"] <= temps["xla"]:
+                return "auto", temps
+            temps["lean"] = held_bytes(lean)
+            return ("lean" if temps["lean"] <= temps["xla"] else "xla"), temps
+
+        choice, temps = _stored_verdict(cache, key, decide)
     except Exception as e:  # noqa: BLE001 - e.g. constants of an enclosing trace
         # Unchecked, those sites may raise the temp: they are left to XLA.
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
@@ -209,15 +208,24 @@ def holds_no_more(closed, new, patterns=(), tuner=None) -> bool:
     try:
         key = {**tuning._key(closed, {"xla": closed, "new": new}, patterns),
                "decision": "held bytes, whole"}
-        entry = cache.entry(key)
-        if entry is not None and isinstance(entry.get("held_bytes"), dict):
-            return entry["choice"] == "new"
-        temps = {"xla": held_bytes(closed), "new": held_bytes(new)}
-        choice = "new" if temps["new"] <= temps["xla"] else "xla"
-        cache.put(key, choice, {}, held_bytes=temps)
-        return choice == "new"
+
+        def decide():
+            temps = {"xla": held_bytes(closed), "new": held_bytes(new)}
+            return ("new" if temps["new"] <= temps["xla"] else "xla"), temps
+
+        return _stored_verdict(cache, key, decide)[0] == "new"
     except Exception:  # noqa: BLE001 - e.g. constants of an enclosing trace
         return False
+
+
+def _stored_verdict(cache, key, decide) -> tuple[str, dict]:
+    """(choice, held bytes by program) stored under `key`, else `decide()`'s, stored."""
+    entry = cache.entry(key)
+    if entry is not None and isinstance(entry.get("held_bytes"), dict):
+        return entry["choice"], entry["held_bytes"]
+    choice, temps = decide()
+    cache.put(key, choice, {}, held_bytes=temps)
+    return choice, temps
 
 
 def _cause(facts) -> str:
