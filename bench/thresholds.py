@@ -34,8 +34,21 @@ is rarely outside the noise; a tie must not hide a loss). Only float32 is
 measured this way: XLA:CPU runs float16/bfloat16 convolutions in float32, and
 the cost model declines narrow sites beside them anyway.
 
+With `--from-bench FILE`, nothing is timed: the thresholds are read off a
+benchmark run's op sweep (`jaxfuse-bench --json FILE`, e.g. `bench_gpu.json` from
+bench/gpu_check.sh), by the same rule: per form (add_relu: plain, bias_add_relu:
+bias) and dtype, the smallest measured size from which the kernel's time ratio
+to XLA has its interval's upper end below 1 at every larger measured size, in
+both timing modes. It also prints, per case at 2^24 elements or more, whether
+the kernel is at most 1.00x XLA's time and at 93% or more of the copy
+reference (the GPU issue's bar), and the cost-model entries the thresholds give:
+`min_elements` per dtype is the largest of the measured forms' thresholds (so
+a form never measured is fused only where every measured form pays), and a
+form whose own threshold is smaller gets a `form_min_elements` entry.
+
 Usage: python bench/thresholds.py [--max-log2 22] [--reps 15] [--out FILE]
        python bench/thresholds.py --forms plain,bias,batchnorm,residual [--min-log2 14]
+       python bench/thresholds.py --from-bench bench_gpu.json [--out FILE]
 Run from outside the source tree (or with the package installed).
 """
 
@@ -45,6 +58,9 @@ import argparse
 import datetime
 import platform
 import sys
+
+import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +198,130 @@ def forms_main(args) -> int:
     return _emit(lines, args.out)
 
 
+# ------------------------------------------------------------ --from-bench
+OP_FORMS = {"add_relu": "plain", "bias_add_relu": "bias"}  # the sweep's op workloads
+BAR_LOG2 = 24  # the GPU issue's bar: from 2^24 elements ...
+BAR_RATIO = 1.00  # ... at most XLA's time (median) ...
+BAR_PCT_OF_COPY = 93.0  # ... and at 93% or more of the copy reference
+
+
+def read_sweep(run: dict) -> dict:
+    """The op sweep's kernel records of a benchmark run (`jaxfuse-bench --json`),
+    as {(form, dtype): {(elements, shape): {timing_mode: record}}} (one size can
+    be swept in two shapes: 2^20 flat and 1024x1024). Refuses a run where the
+    kernel did not run (a fallback build), naming what it found."""
+    if run.get("fallback"):
+        raise ValueError(f"the run timed no kernel ({run.get('fallback_note') or 'fallback'}): "
+                         "no threshold can be read from it")
+    found: dict = {}
+    for r in run.get("records", []):
+        if r.get("kind") != "op" or r.get("mode") != "jaxfuse":
+            continue
+        form = OP_FORMS.get(r["workload"])
+        if form is None:
+            continue
+        if r.get("impl") != "kernel":
+            raise ValueError(f"{r['workload']} {r['dtype']} at {r['elements']} elements ran "
+                             f"{r.get('impl')!r}, not the kernel: no threshold can be read")
+        size = (r["elements"], tuple(r.get("shape") or ()))
+        found.setdefault((form, r["dtype"]), {}).setdefault(size, {})[r["timing_mode"]] = r
+    if not found:
+        raise ValueError("the run holds no op sweep of the kernel (mode 'jaxfuse', workloads "
+                         f"{', '.join(OP_FORMS)})")
+    return found
+
+
+def _wins(by_mode: dict) -> bool:
+    """The kernel wins at a size: both timing modes measured, and each ratio's
+    95% interval wholly below 1 (the rule of the timed search above)."""
+    return all(m in by_mode and by_mode[m].get("ratio_ci") is not None
+               and by_mode[m]["ratio_ci"][1] < 1.0 for m in ("latency", "throughput"))
+
+
+def thresholds_of(sweep: dict) -> dict:
+    """{(form, dtype): smallest measured size (elements) from which the kernel
+    wins at every larger measured size, in every shape measured, or None}."""
+    out = {}
+    for key, sizes in sweep.items():
+        wins: dict = {}
+        for n, shape in sizes:
+            wins[n] = wins.get(n, True) and _wins(sizes[n, shape])
+        out[key] = _first_of_run(sorted(wins.items()))
+    return out
+
+
+def platform_entries(found: dict) -> tuple[dict, dict]:
+    """The cost model's entries (cost.PlatformFacts) for these thresholds:
+    `min_elements` per dtype is the largest measured form's threshold (None if
+    any form never wins), and `form_min_elements` keeps a form's own smaller one."""
+    dtypes = sorted({d for _, d in found})
+    min_elements = {}
+    for d in dtypes:
+        values = [v for (f, dd), v in found.items() if dd == d]
+        min_elements[d] = None if any(v is None for v in values) else max(values)
+    form_min = {k: v for k, v in sorted(found.items())
+                if v is not None and (min_elements[k[1]] is None or v < min_elements[k[1]])}
+    return min_elements, form_min
+
+
+def bar_rows(sweep: dict) -> list[tuple]:
+    """Per (form, dtype, size >= 2^24, timing mode): (form, dtype, elements, mode,
+    ratio, pct of copy, meets the bar)."""
+    rows = []
+    for (form, dtype), sizes in sorted(sweep.items()):
+        for n, shape in sorted(sizes):
+            if n < 1 << BAR_LOG2:
+                continue
+            for mode, r in sorted(sizes[n, shape].items()):
+                ratio, pct = r.get("ratio_median"), r.get("pct_of_roofline")
+                ok = (ratio is not None and pct is not None
+                      and ratio <= BAR_RATIO and pct >= BAR_PCT_OF_COPY)
+                rows.append((form, dtype, n, mode, ratio, pct, ok))
+    return rows
+
+
+def _log2(n) -> str:
+    return "none" if n is None else (f"2^{int(math.log2(n))}" if n & (n - 1) == 0 else str(n))
+
+
+def from_bench_main(path: str, out: str | None) -> int:
+    with open(path) as f:
+        run = json.load(f)
+    sweep = read_sweep(run)
+    found = thresholds_of(sweep)
+    lines = [f"# bench/thresholds.py --from-bench {path}: {run.get('platform')} "
+             f"({run.get('device_kind')}), jax {run.get('jax_version')}, run of {run.get('date')}"
+             + ("" if run.get("complete", True) else " (incomplete run: only what it measured)"),
+             "# form dtype size: jaxfuse/xla time ratio, median [95% CI], latency | throughput"]
+    for (form, dtype), sizes in sorted(sweep.items()):
+        for n, shape in sorted(sizes):
+            by_mode = sizes[n, shape]
+            cells = []
+            for m in ("latency", "throughput"):
+                r = by_mode.get(m)
+                ci = r and r.get("ratio_ci")
+                cells.append("-" if not ci else f"{r['ratio_median']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
+            label = _log2(n) + (f" ({'x'.join(map(str, shape))})" if len(shape) > 1 else "")
+            lines.append(f"{form:5s} {dtype:9s} {label}: {cells[0]} | {cells[1]}"
+                         + ("  kernel wins" if _wins(by_mode) else ""))
+        lines.append(f"{form} {dtype}: min_elements = {found[(form, dtype)]}")
+    rows = bar_rows(sweep)
+    lines.append(f"# the bar: at 2^{BAR_LOG2} elements or more, at most {BAR_RATIO:.2f}x XLA's time "
+                 f"(median) and at {BAR_PCT_OF_COPY:.0f}% or more of the copy reference")
+    for form, dtype, n, mode, ratio, pct, ok in rows:
+        lines.append(f"{form:5s} {dtype:9s} {_log2(n):5s} {mode:10s}: "
+                     f"{'-' if ratio is None else f'{ratio:.3f}x'}, "
+                     f"{'-' if pct is None else f'{pct:.0f}%'} of copy  {'meets' if ok else 'MISSES'}")
+    if not rows:
+        lines.append(f"(no case at 2^{BAR_LOG2} elements or more in this run)")
+    min_elements, form_min = platform_entries(found)
+    lines.append(f"# cost model entries for {run.get('kernel_platform') or run.get('platform')} "
+                 "(jaxfuse/rewrite/cost.py, PLATFORMS)")
+    lines.append(f"min_elements={min_elements!r},")
+    lines.append(f"form_min_elements={form_min!r},")
+    return _emit(lines, out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-log2", type=int, default=22)
@@ -192,7 +332,11 @@ def main(argv=None) -> int:
     p.add_argument("--channels", type=int, default=CHANNELS)
     p.add_argument("--forms", default=None,
                    help=f"comma-separated forms ({', '.join(FORMS)}): thresholds inside conv programs")
+    p.add_argument("--from-bench", default=None, metavar="FILE",
+                   help="read the thresholds off a benchmark run's JSON instead of timing")
     args = p.parse_args(argv)
+    if args.from_bench:
+        return from_bench_main(args.from_bench, args.out)
     if args.forms:
         return forms_main(args)
     dev = jax.devices()[0]

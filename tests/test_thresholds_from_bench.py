@@ -1,0 +1,151 @@
+"""bench/thresholds.py --from-bench: the cost model's thresholds and the GPU
+issue's bar read off a benchmark run's op sweep, without timing anything.
+
+The records are written here by hand, one per (form, dtype, size, timing
+mode), so each rule is checked on a case built to pass or fail it; a CPU run
+recorded in bench/results is read as a whole."""
+
+import json
+import os
+
+import pytest
+
+from conftest import load_bench_script
+
+thresholds = load_bench_script("thresholds")
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "results")
+
+
+def record(workload, dtype, log2, mode, hi, *, median=None, pct=95.0, impl="kernel"):
+    median = hi - 0.05 if median is None else median
+    return {"kind": "op", "mode": "jaxfuse", "workload": workload, "dtype": dtype,
+            "elements": 1 << log2, "timing_mode": mode, "impl": impl,
+            "ratio_median": median, "ratio_ci": [median - 0.05, hi], "pct_of_roofline": pct}
+
+
+def both(workload, dtype, log2, hi_latency, hi_throughput=None, **kw):
+    hi_throughput = hi_latency if hi_throughput is None else hi_throughput
+    return [record(workload, dtype, log2, "latency", hi_latency, **kw),
+            record(workload, dtype, log2, "throughput", hi_throughput, **kw)]
+
+
+def run_of(*groups, **top):
+    records = [r for g in groups for r in g]
+    # XLA's and the unfused records sit beside the kernel's in a real run: ignored.
+    records.append({**records[0], "mode": "xla", "impl": "xla"})
+    return {"platform": "gpu", "device_kind": "test", "jax_version": "0", "date": "d",
+            "records": records, **top}
+
+
+def test_threshold_is_the_start_of_the_last_winning_run():
+    run = run_of(both("add_relu", "float32", 20, 0.9),   # wins, but ...
+                 both("add_relu", "float32", 22, 1.1),   # ... loses above it
+                 both("add_relu", "float32", 24, 0.95),
+                 both("add_relu", "float32", 26, 0.97))
+    found = thresholds.thresholds_of(thresholds.read_sweep(run))
+    assert found == {("plain", "float32"): 1 << 24}
+
+
+def test_both_timing_modes_must_win():
+    run = run_of(both("bias_add_relu", "bfloat16", 24, 0.9, 1.02),
+                 both("bias_add_relu", "bfloat16", 26, 0.9, 0.9))
+    assert thresholds.thresholds_of(thresholds.read_sweep(run)) == {("bias", "bfloat16"): 1 << 26}
+    # a size measured in one timing mode only does not count as a win
+    one_mode = run_of([record("bias_add_relu", "bfloat16", 26, "latency", 0.9)])
+    assert thresholds.thresholds_of(thresholds.read_sweep(one_mode)) == {("bias", "bfloat16"): None}
+
+
+def test_a_size_swept_in_two_shapes_wins_only_if_both_do():
+    flat = both("add_relu", "float32", 20, 0.9)
+    square = both("add_relu", "float32", 20, 1.2)
+    for r in flat:
+        r["shape"] = [1 << 20]
+    for r in square:
+        r["shape"] = [1024, 1024]
+    run = run_of(both("add_relu", "float32", 18, 0.9), flat, square,
+                 both("add_relu", "float32", 22, 0.9))
+    sweep = thresholds.read_sweep(run)
+    assert len(sweep[("plain", "float32")]) == 4
+    assert thresholds.thresholds_of(sweep) == {("plain", "float32"): 1 << 22}
+
+
+def test_largest_size_losing_means_no_threshold():
+    run = run_of(both("add_relu", "float16", 24, 0.8), both("add_relu", "float16", 26, 1.001))
+    assert thresholds.thresholds_of(thresholds.read_sweep(run)) == {("plain", "float16"): None}
+
+
+def test_platform_entries_take_the_largest_form_and_keep_smaller_forms():
+    found = {("plain", "float32"): 1 << 24, ("bias", "float32"): 1 << 20,
+             ("plain", "bfloat16"): None, ("bias", "bfloat16"): 1 << 22,
+             ("plain", "float64"): 1 << 22, ("bias", "float64"): 1 << 22}
+    min_elements, form_min = thresholds.platform_entries(found)
+    assert min_elements == {"bfloat16": None, "float32": 1 << 24, "float64": 1 << 22}
+    # a form never measured falls back to min_elements: fused only where every
+    # measured form pays; the measured forms' own smaller thresholds are kept
+    assert form_min == {("bias", "bfloat16"): 1 << 22, ("bias", "float32"): 1 << 20}
+
+
+def test_bar_needs_both_the_ratio_and_the_share_of_the_copy():
+    run = run_of(both("add_relu", "float32", 22, 2.0, pct=10.0),   # below 2^24: not judged
+                 both("add_relu", "float32", 24, 1.0, median=1.0, pct=93.0),
+                 both("add_relu", "float32", 26, 0.99, median=0.9, pct=92.9),
+                 both("bias_add_relu", "float32", 26, 1.1, median=1.01, pct=99.0))
+    rows = thresholds.bar_rows(thresholds.read_sweep(run))
+    verdict = {(f, n, m): ok for f, _, n, m, _, _, ok in rows}
+    assert verdict == {("plain", 1 << 24, "latency"): True, ("plain", 1 << 24, "throughput"): True,
+                       ("plain", 1 << 26, "latency"): False, ("plain", 1 << 26, "throughput"): False,
+                       ("bias", 1 << 26, "latency"): False, ("bias", 1 << 26, "throughput"): False}
+
+
+def test_refuses_a_run_without_the_kernel():
+    with pytest.raises(ValueError, match="timed no kernel"):
+        thresholds.read_sweep(run_of(both("add_relu", "float32", 24, 0.9),
+                                     fallback=True, fallback_note="no CUDA kernel built"))
+    with pytest.raises(ValueError, match="ran 'xla', not the kernel"):
+        thresholds.read_sweep(run_of(both("add_relu", "float32", 24, 0.9, impl="xla")))
+    with pytest.raises(ValueError, match="no op sweep"):
+        thresholds.read_sweep({"records": [{"kind": "model", "mode": "jaxfuse"}]})
+
+
+def test_reads_a_recorded_run(tmp_path, capsys):
+    path = os.path.join(RESULTS, "cpu-avx512-ops-2026-12-03.json")
+    with open(path) as f:
+        run = json.load(f)
+    sweep = thresholds.read_sweep(run)
+    assert set(sweep) == {(f, d) for f in ("plain", "bias")
+                          for d in ("float32", "float64", "bfloat16", "float16")}
+    out = tmp_path / "t.txt"
+    assert thresholds.main(["--from-bench", path, "--out", str(out)]) == 0
+    text = out.read_text()
+    found = thresholds.thresholds_of(sweep)
+    for (form, dtype), value in found.items():
+        assert f"{form} {dtype}: min_elements = {value}" in text
+    min_elements, _ = thresholds.platform_entries(found)
+    assert f"min_elements={min_elements!r}," in text
+    # every recorded case at 2^24 is judged against the bar, in both timing modes
+    assert text.count("of copy") == 2 * len(sweep)
+
+
+def _script_default(name: str) -> str:
+    """A knob's default in bench/gpu_check.sh (`NAME="${NAME:-default}"`)."""
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "gpu_check.sh")
+    with open(path) as f:
+        m = re.search(rf'^{name}="\$\{{{name}:-(.*)\}}"$', f.read(), re.M)
+    assert m, f"gpu_check.sh sets no default for {name}"
+    return m.group(1)
+
+
+def test_gpu_check_runs_every_workload_and_the_bar_sizes():
+    # The one-call GPU script names its workloads to order them: a workload
+    # added to the benchmark must not be left out of it.
+    from jaxfuse.bench import cli, models, workloads
+
+    names = _script_default("WORKLOADS").split(",")
+    assert sorted(names) == sorted(workloads.OP_WORKLOADS + models.MODEL_WORKLOADS)
+    assert names[:2] == list(workloads.OP_WORKLOADS)
+    sizes = cli.build_parser().parse_args(["--sizes", _script_default("SWEEP_SIZES")]).sizes
+    # the bar is judged from 2^24 up to the GPU sweep's top, at every power of 2
+    assert {1 << k for k in range(thresholds.BAR_LOG2, cli.GPU_MAX_LOG2 + 1)} <= set(sizes)
