@@ -6,7 +6,9 @@
 #   build.log        pip install --no-build-isolation (JAXFUSE_CUDA=ON)
 #   pytest_gpu.log   python -m pytest -m gpu
 #   bench.log        one progress line per case (ratio to XLA, verdict), then
-#                    the table and verdicts (a timeout leaves the progress lines)
+#                    the table and verdicts (a timeout leaves the progress lines),
+#                    then the thresholds and the issue's bar read off the op sweep
+#                    (bench/thresholds.py --from-bench: no extra device time)
 #   bench_gpu.json   all measurements, both timing modes (rewritten after every
 #                    group, so a timeout still leaves what was measured;
 #                    "complete": false then)
@@ -18,19 +20,32 @@
 #
 # Nothing can be downloaded there: the build uses the image's own jax, nanobind,
 # scikit-build-core, cmake and ninja (no build isolation, no dependency resolution).
+# Python packages the image lacks (dm-haiku, for the haiku workloads) travel as
+# wheels in .whl/ (git-ignored), named in the device call's `carry`; the script
+# installs whatever .whl/ holds, without an index. To fetch them here:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl dm-haiku jmp
 # Budget: the whole script must end within ~8 minutes (TOTAL_BUDGET_S, default
 # 450 s); the benchmark gets what the build and the tests left, less the
 # VARIANTS_S (default 75 s) kept for the kernel variants, at most 240 s.
-# To fit, it runs 30 repetitions (not 50) and the model workloads in float32
-# only (BENCH_ARGS="--model-dtypes float32,bfloat16" adds bfloat16; later flags
-# win); float32 ops and models run first, so a timeout loses the half types.
+# To fit, it runs 30 repetitions (not 50), the op sweep at 8 sizes (every power
+# of 2 from 2^22, where the issue's bar and the thresholds are read; every
+# other one below) and the model workloads in float32 only
+# (BENCH_ARGS="--model-dtypes float32,bfloat16" adds bfloat16; later flags win).
+# The op sweep of every dtype runs before the models, so a run out of time
+# loses models (the long compiles), not the sweep the thresholds come from; the
+# models run in WORKLOADS' order: first those the GPU issue names (ResNet-50 and
+# the flax CNN, where fusing everything lost, and the attention model), the
+# haiku ones last (the image has no dm-haiku unless it is carried as a wheel).
 # Exit status: 0 only if the build, the GPU tests and the benchmark all passed;
 # a failed build or failed tests do not stop the later steps.
 #
 # Usage (repository root or anywhere):  OUT=/some/dir bash bench/gpu_check.sh
 # Knobs: PYTHON (default python3), INSTALL_TARGET (install with --target there
 # instead of into the environment), JAXFUSE_CUDA (default ON), TOTAL_BUDGET_S,
-# BUILD_TIMEOUT_S, TEST_TIMEOUT_S, BENCH_MAX_S, BENCH_ARGS (extra benchmark flags),
+# BUILD_TIMEOUT_S, TEST_TIMEOUT_S, BENCH_MAX_S, SWEEP_SIZES (the op sweep's sizes),
+# WORKLOADS (the benchmark's, in run order),
+# BENCH_ARGS (extra benchmark flags),
 # VARIANTS_S (0 skips the variants).
 # Syntax check on any machine:          bash -n bench/gpu_check.sh
 set -euo pipefail
@@ -48,6 +63,8 @@ BUILD_TIMEOUT_S="${BUILD_TIMEOUT_S:-240}"
 TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-120}"
 BENCH_MAX_S="${BENCH_MAX_S:-240}"
 VARIANTS_S="${VARIANTS_S:-75}"
+SWEEP_SIZES="${SWEEP_SIZES:-2^16,2^18,2^20,2^22,2^23,2^24,2^25,2^26}"
+WORKLOADS="${WORKLOADS:-add_relu,bias_add_relu,stax_resnet50,flax_cnn,linen_attention,resnet_block,eqx_nchw_conv,dense_relu,scale_shift,relu_add,linen_ffn_train,eqx_mlp_train,mlp_train_step,mlp,haiku_resnet_eval,haiku_resnet50_eval,haiku_resnet_train}"
 INSTALL_TARGET="${INSTALL_TARGET:-}"  # set: pip install --target there (leaves the environment untouched)
 export PYTHONUNBUFFERED=1  # logs survive a timeout
 T0=$SECONDS
@@ -78,7 +95,7 @@ trap 'rm -rf "$WORK"' EXIT
   nvidia-smi --query-gpu=name,driver_version --format=csv 2>&1 || echo "nvidia-smi failed"
   echo "--- python"
   command -v "$PY" || true
-  "$PY" --version 2>&1
+  "$PY" --version 2>&1 || echo "$PY: not found"
   echo "--- jax"
   (cd "$WORK" && "$PY" -c 'import jax; print(jax.__version__, jax.devices())') 2>&1 || echo "jax import failed"
   echo "--- build tools"
@@ -88,6 +105,20 @@ trap 'rm -rf "$WORK"' EXIT
   nvcc --version 2>&1 | tail -2 || echo "nvcc: not found"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+
+# ------------------------------------------------------- carried wheels (.whl/)
+shopt -s nullglob
+WHEELS=("$REPO"/.whl/*.whl)
+shopt -u nullglob
+if (( ${#WHEELS[@]} )); then
+  set +e
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/wheels" "${WHEELS[@]}" \
+    >>"$OUT/env.txt" 2>&1
+  WHEELS_RC=$?
+  set -e
+  export PYTHONPATH="$WORK/wheels${PYTHONPATH:+:$PYTHONPATH}"
+  echo "carried wheels: ${WHEELS[*]##*/} (pip exit $WHEELS_RC)" | tee -a "$OUT/env.txt"
+fi
 
 # ------------------------------------------------------------------------ build
 BUILD_RC=0
@@ -173,16 +204,28 @@ fi
 set +e
 # stderr is a file here, so the progress comes as one line per case.
 # --time-budget: no new case after LEFT-30 s, so the run still prints its table and
-# writes the plot; the timeout only catches a case that runs long (the long ones,
-# ResNet-50 above all, come early: float32 models run before the bfloat16 sweep).
+# writes the plot; the timeout only catches a case that runs long (ResNet-50
+# above all).
 # shellcheck disable=SC2086
 (cd "$WORK" && timeout "$LEFT" "${BENCH[@]}" --timing latency,throughput --reps 30 \
-   --model-dtypes float32 --time-budget "$(( LEFT - 30 ))" ${BENCH_ARGS:-} \
+   --workloads "$WORKLOADS" --sizes "$SWEEP_SIZES" --model-dtypes float32 --time-budget "$(( LEFT - 30 ))" ${BENCH_ARGS:-} \
    --json "$OUT/bench_gpu.json" --plot "$OUT/bench_gpu.png") >"$OUT/bench.log" 2>&1
 BENCH_RC=$?
 set -e
 tail -n 80 "$OUT/bench.log"
 step "benchmark (exit 124 = timed out; partial JSON kept)" "$BENCH_RC"
+
+# The CUDA thresholds and the issue's bar, read off the sweep just written (no
+# timing: seconds of host time), so one call yields the cost model's entries.
+if [[ -s "$OUT/bench_gpu.json" ]]; then
+  set +e
+  (cd "$WORK" && timeout 60 "$PY" "$REPO/bench/thresholds.py" --from-bench "$OUT/bench_gpu.json") \
+    >>"$OUT/bench.log" 2>&1
+  THRESH_RC=$?
+  set -e
+  tail -n 40 "$OUT/bench.log"
+  step "thresholds read off the sweep" "$THRESH_RC"
+fi
 
 # ------------------------------------------------------------- kernel variants
 if (( VARIANTS_S > 0 )) && [[ $BUILD_RC -eq 0 ]]; then

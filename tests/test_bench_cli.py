@@ -947,6 +947,11 @@ def test_plan_groups_dtypes_and_sizes():
     assert [p for p in plan if p[0] == "model"] == [("model", "mlp", "float32", (32, 64, 4))]
     gpu = cli.plan_groups(args, is_gpu=True)
     assert {p[2] for p in gpu if p[0] == "model"} == {"float32", "bfloat16"}
+    # every dtype's op sweep runs before any model: a run cut short by its time
+    # budget keeps the sweep the thresholds are read off
+    for p in (plan, gpu):
+        kinds = [g[0] for g in p]
+        assert kinds == sorted(kinds, key=lambda k: k != "op"), kinds
     explicit = cli.plan_groups(cli.build_parser().parse_args(
         ["--quick", "--workloads", "mlp", "--dtypes", "float64"]), is_gpu=False)
     assert explicit == [("model", "mlp", "float64", (32, 64, 4))]

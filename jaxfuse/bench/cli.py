@@ -148,8 +148,11 @@ def model_dtypes(args, is_gpu: bool) -> list[str]:
 
 
 def plan_groups(args, is_gpu: bool) -> list[tuple]:
-    """[(kind, workload, dtype, size)] in run order: per dtype, the op sweep
-    (shapes de-duplicated) and then the model workloads."""
+    """[(kind, workload, dtype, size)] in run order: the op sweep of every dtype
+    (shapes de-duplicated), then the model workloads per dtype. The op sweep
+    comes first because it is short and the cost model's thresholds are read off
+    it; under --time-budget the models, which compile for long, are what a run
+    that runs out of time loses."""
     from . import models
     from .workloads import OP_WORKLOADS, op_shapes
 
@@ -158,18 +161,18 @@ def plan_groups(args, is_gpu: bool) -> list[tuple]:
     op_dtypes = list(args.dtypes if args.dtypes is not None else DEFAULT_DTYPES)
     m_dtypes = model_dtypes(args, is_gpu)
     plan = []
-    for dt in list(dict.fromkeys(op_dtypes + m_dtypes)):
+    for dt in op_dtypes:
         for wl in args.workloads:
             if wl in OP_WORKLOADS:
-                if dt not in op_dtypes:
-                    continue
                 seen = set()
                 for s in sizes:
                     shp = op_shapes(wl, s)[0]
                     if shp not in seen:
                         seen.add(shp)
                         plan.append(("op", wl, dt, s))
-            elif dt in m_dtypes:
+    for dt in m_dtypes:
+        for wl in args.workloads:
+            if wl not in OP_WORKLOADS:
                 plan.append(("model", wl, dt, models.size_for(wl, key, args.model_shape)))
     return plan
 
