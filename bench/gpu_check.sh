@@ -15,7 +15,8 @@
 #   bench_gpu.png    GB/s vs size with the reference-copy roofline, and the
 #                    model workloads' time ratios to XLA with their 95% intervals
 #   variants.txt     bench/probes/cuda_variants.py: each add+ReLU kernel variant's GB/s
-#                    and time ratio to XLA, and its bits checked against XLA's
+#                    and time ratio to XLA, and its bits checked against XLA's;
+#                    last, the fastest variant per dtype and form (the default to make)
 #   summary.txt      one line per step: ok / FAILED
 #
 # Nothing can be downloaded there: the build uses the image's own jax, nanobind,

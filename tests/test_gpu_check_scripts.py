@@ -1,5 +1,8 @@
-"""bench/thresholds.py --from-bench: the cost model's thresholds and the GPU
-issue's bar read off a benchmark run's op sweep, without timing anything.
+"""What the one-call GPU check (bench/gpu_check.sh) computes from its
+measurements, checked without a GPU: bench/thresholds.py --from-bench (the cost
+model's thresholds and the GPU issue's bar read off a benchmark run's op
+sweep), the fastest kernel variant per dtype and form
+(bench/probes/cuda_variants.py), and the script's own defaults.
 
 The records are written here by hand, one per (form, dtype, size, timing
 mode), so each rule is checked on a case built to pass or fail it; a CPU run
@@ -13,6 +16,7 @@ import pytest
 from conftest import load_bench_script
 
 thresholds = load_bench_script("thresholds")
+cuda_variants = load_bench_script("probes/cuda_variants")
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "results")
 
@@ -149,3 +153,19 @@ def test_gpu_check_runs_every_workload_and_the_bar_sizes():
     sizes = cli.build_parser().parse_args(["--sizes", _script_default("SWEEP_SIZES")]).sizes
     # the bar is judged from 2^24 up to the GPU sweep's top, at every power of 2
     assert {1 << k for k in range(thresholds.BAR_LOG2, cli.GPU_MAX_LOG2 + 1)} <= set(sizes)
+
+
+def test_fastest_variant_by_its_worst_size_and_only_with_xla_bits():
+    results = [
+        # float32 full: v1 is faster at 2^24 but slower at 2^27; v2 is best at its worst
+        (0, "float32", "full", 24, 1.02, True), (0, "float32", "full", 27, 1.04, True),
+        (1, "float32", "full", 24, 0.95, True), (1, "float32", "full", 27, 1.03, True),
+        (2, "float32", "full", 24, 0.99, True), (2, "float32", "full", 27, 0.98, True),
+        # bfloat16 bias: v3 is fastest but gave other bits at one size
+        (0, "bfloat16", "bias", 24, 0.85, True), (0, "bfloat16", "bias", 27, 0.84, True),
+        (3, "bfloat16", "bias", 24, 0.70, True), (3, "bfloat16", "bias", 27, 0.71, False),
+        # every variant of float32 bias gave other bits: no default to make
+        (0, "float32", "bias", 24, 0.9, False),
+    ]
+    assert cuda_variants.fastest(results) == {("bfloat16", "bias"): (0, 0.85),
+                                              ("float32", "full"): (2, 0.99)}
