@@ -29,15 +29,16 @@
 # Budget: the whole script must end within ~8 minutes (TOTAL_BUDGET_S, default
 # 450 s); the benchmark gets what the build and the tests left, less the
 # VARIANTS_S (default 75 s) kept for the kernel variants, at most 240 s.
-# To fit, it runs 30 repetitions (not 50), the op sweep at 8 sizes (every power
-# of 2 from 2^22, where the issue's bar and the thresholds are read; every
-# other one below) and the model workloads in float32 only
-# (BENCH_ARGS="--model-dtypes float32,bfloat16" adds bfloat16; later flags win).
-# The op sweep of every dtype runs before the models, so a run out of time
-# loses models (the long compiles), not the sweep the thresholds come from; the
-# models run in WORKLOADS' order: first those the GPU issue names (ResNet-50 and
-# the flax CNN, where fusing everything lost, and the attention model), the
-# haiku ones last (the image has no dm-haiku unless it is carried as a wheel).
+# To fit, it runs 30 repetitions (not 50) and the op sweep at 8 sizes (every
+# power of 2 from 2^22, where the issue's bar and the thresholds are read;
+# every other one below). The op sweep of every dtype runs before the models,
+# so a run out of time loses models (the long compiles), not the sweep the
+# thresholds come from. Each model runs in float32 and bfloat16 (MODEL_DTYPES;
+# cuDNN's fused attention takes 16-bit inputs only) before the next, in
+# WORKLOADS' order: first those the GPU issue names (ResNet-50 and the flax
+# CNN, where fusing everything lost, and the attention model), the haiku ones
+# last (the image has no dm-haiku unless it is carried as a wheel). Extra
+# benchmark flags go in BENCH_ARGS (later flags win).
 # Exit status: 0 only if the build, the GPU tests and the benchmark all passed;
 # a failed build or failed tests do not stop the later steps.
 #
@@ -45,7 +46,7 @@
 # Knobs: PYTHON (default python3), INSTALL_TARGET (install with --target there
 # instead of into the environment), JAXFUSE_CUDA (default ON), TOTAL_BUDGET_S,
 # BUILD_TIMEOUT_S, TEST_TIMEOUT_S, BENCH_MAX_S, SWEEP_SIZES (the op sweep's sizes),
-# WORKLOADS (the benchmark's, in run order),
+# WORKLOADS (the benchmark's, in run order), MODEL_DTYPES,
 # BENCH_ARGS (extra benchmark flags),
 # VARIANTS_S (0 skips the variants).
 # Syntax check on any machine:          bash -n bench/gpu_check.sh
@@ -65,6 +66,7 @@ TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-120}"
 BENCH_MAX_S="${BENCH_MAX_S:-240}"
 VARIANTS_S="${VARIANTS_S:-75}"
 SWEEP_SIZES="${SWEEP_SIZES:-2^16,2^18,2^20,2^22,2^23,2^24,2^25,2^26}"
+MODEL_DTYPES="${MODEL_DTYPES:-float32,bfloat16}"
 WORKLOADS="${WORKLOADS:-add_relu,bias_add_relu,stax_resnet50,flax_cnn,linen_attention,resnet_block,eqx_nchw_conv,dense_relu,scale_shift,relu_add,linen_ffn_train,eqx_mlp_train,mlp_train_step,mlp,haiku_resnet_eval,haiku_resnet50_eval,haiku_resnet_train}"
 INSTALL_TARGET="${INSTALL_TARGET:-}"  # set: pip install --target there (leaves the environment untouched)
 export PYTHONUNBUFFERED=1  # logs survive a timeout
@@ -204,12 +206,12 @@ else
 fi
 set +e
 # stderr is a file here, so the progress comes as one line per case.
-# --time-budget: no new case after LEFT-30 s, so the run still prints its table and
-# writes the plot; the timeout only catches a case that runs long (ResNet-50
-# above all).
+# --time-budget: no new case after LEFT-60 s (a model case's compiles can take
+# that long), so the run still prints its table and writes the plot; the
+# timeout only catches a case that runs longer (ResNet-50 above all).
 # shellcheck disable=SC2086
 (cd "$WORK" && timeout "$LEFT" "${BENCH[@]}" --timing latency,throughput --reps 30 \
-   --workloads "$WORKLOADS" --sizes "$SWEEP_SIZES" --model-dtypes float32 --time-budget "$(( LEFT - 30 ))" ${BENCH_ARGS:-} \
+   --workloads "$WORKLOADS" --sizes "$SWEEP_SIZES" --model-dtypes "$MODEL_DTYPES" --time-budget "$(( LEFT - 60 ))" ${BENCH_ARGS:-} \
    --json "$OUT/bench_gpu.json" --plot "$OUT/bench_gpu.png") >"$OUT/bench.log" 2>&1
 BENCH_RC=$?
 set -e

@@ -952,6 +952,11 @@ def test_plan_groups_dtypes_and_sizes():
     for p in (plan, gpu):
         kinds = [g[0] for g in p]
         assert kinds == sorted(kinds, key=lambda k: k != "op"), kinds
+    # models in --workloads' order, each in every model dtype before the next
+    two = cli.plan_groups(cli.build_parser().parse_args(
+        ["--quick", "--workloads", "mlp,relu_add", "--model-dtypes", "float32,bfloat16"]), is_gpu=True)
+    assert [(g[1], g[2]) for g in two] == [("mlp", "float32"), ("mlp", "bfloat16"),
+                                           ("relu_add", "float32"), ("relu_add", "bfloat16")]
     explicit = cli.plan_groups(cli.build_parser().parse_args(
         ["--quick", "--workloads", "mlp", "--dtypes", "float64"]), is_gpu=False)
     assert explicit == [("model", "mlp", "float64", (32, 64, 4))]

@@ -149,10 +149,11 @@ def model_dtypes(args, is_gpu: bool) -> list[str]:
 
 def plan_groups(args, is_gpu: bool) -> list[tuple]:
     """[(kind, workload, dtype, size)] in run order: the op sweep of every dtype
-    (shapes de-duplicated), then the model workloads per dtype. The op sweep
-    comes first because it is short and the cost model's thresholds are read off
-    it; under --time-budget the models, which compile for long, are what a run
-    that runs out of time loses."""
+    (shapes de-duplicated), then each model workload in every model dtype, in
+    --workloads' order. The op sweep comes first because it is short and the
+    cost model's thresholds are read off it; under --time-budget the models,
+    which compile for long, are what a run that runs out of time loses, the
+    last-named first."""
     from . import models
     from .workloads import OP_WORKLOADS, op_shapes
 
@@ -170,9 +171,9 @@ def plan_groups(args, is_gpu: bool) -> list[tuple]:
                     if shp not in seen:
                         seen.add(shp)
                         plan.append(("op", wl, dt, s))
-    for dt in m_dtypes:
-        for wl in args.workloads:
-            if wl not in OP_WORKLOADS:
+    for wl in args.workloads:
+        if wl not in OP_WORKLOADS:
+            for dt in m_dtypes:
                 plan.append(("model", wl, dt, models.size_for(wl, key, args.model_shape)))
     return plan
 
