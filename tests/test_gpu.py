@@ -225,3 +225,45 @@ def test_every_kernel_variant_bitwise_equal_xla_gpu(rng, variant, dtype, a_shape
         finally:
             module.configure(jaxfuse._env.SETTINGS.cuda_variant)
         assert_bitwise_equal(got, _reference(a, b))
+
+
+def _relative_error(got, want) -> float:
+    got, want = (np.asarray(jnp.asarray(t, jnp.float32), np.float64) for t in (got, want))
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32], ids=["bf16", "f32"])
+def test_attention_rule_runs_cudnn_at_16_bits_gpu(rng, dtype):
+    # flax.linen attention: the rule gives it jax.nn.dot_product_attention on
+    # cuDNN's fused kernel at 16 bits (float32 takes XLA's path). Values and
+    # gradients against the layer in float32, no further from it than the
+    # layer's own program in `dtype` is, with the dtype's rounding as the floor
+    # (float32 dots run on the GPU's tf32 matrix units at jax's default precision).
+    nn = pytest.importorskip("flax.linen")
+    from jaxfuse import _compat
+    from jaxfuse.rules import attention
+
+    if _compat.cudnn_version() is None:
+        pytest.skip("jax finds no cuDNN")
+    layer = lambda dt: nn.MultiHeadDotProductAttention(  # noqa: E731
+        num_heads=4, qkv_features=256, dropout_rate=0.0, deterministic=True, dtype=dt, param_dtype=dt)
+    x32 = jax.device_put(jnp.asarray(rng.standard_normal((2, 128, 64)), np.float32), _gpu())
+    p32 = layer(np.float32).init(jax.random.key(0), x32, x32)
+    x, params = jax.tree.map(lambda t: t.astype(dtype), (x32, p32))
+    f = lambda p, x: layer(dtype).apply(p, x, x)  # noqa: E731
+    f32 = lambda p, x: layer(np.float32).apply(p, x, x)  # noqa: E731
+    opt = jaxfuse.optimize(f, patterns=attention.rules())
+    text = jax.jit(opt).lower(params, x).as_text()
+    assert ("__cudnn$fmha" in text) == (dtype == jnp.bfloat16), text[:2000]
+    floor = 1e-2 if dtype == jnp.bfloat16 else 3e-3
+    want = jax.jit(f32)(p32, x32)
+    assert _relative_error(opt(params, x), want) <= max(2 * _relative_error(jax.jit(f)(params, x), want), floor)
+
+    def loss(fun):
+        return lambda p, x: jnp.sum(jnp.sin(fun(p, x).astype(np.float32)))
+
+    g_opt = jax.grad(jaxfuse.optimize(loss(f), patterns=attention.rules()), argnums=1)(params, x)
+    g_jit = jax.jit(jax.grad(loss(f), argnums=1))(params, x)
+    g_want = jax.jit(jax.grad(loss(f32), argnums=1))(p32, x32)
+    assert np.isfinite(np.asarray(g_opt, np.float32)).all()
+    assert _relative_error(g_opt, g_want) <= max(2 * _relative_error(g_jit, g_want), 2 * floor)
