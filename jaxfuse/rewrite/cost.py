@@ -232,7 +232,9 @@ PLATFORMS = {
     # On CUDA no size pays yet: in the H200 run recorded in bench/results the
     # add+ReLU kernel was ahead of XLA's fusion only in the bfloat16 bias form,
     # so auto leaves every site to XLA there until a measurement says otherwise
-    # (policy="measure" times the kernel on the device itself).
+    # (policy="measure" times the kernel on the device itself). The entries to
+    # put here come from a GPU run of bench/gpu_check.sh: its bench.log ends with
+    # them, read off the op sweep by `bench/thresholds.py --from-bench`.
     "cuda": PlatformFacts(
         min_elements={"float32": None, "float64": None, "float16": None, "bfloat16": None},
         folds_dot_epilogue=True, folds_conv_epilogue=True, transposes_nchw_conv=False,
