@@ -207,11 +207,11 @@ fi
 set +e
 # stderr is a file here, so the progress comes as one line per case.
 # --time-budget: no new case after LEFT-60 s (a model case's compiles can take
-# that long), so the run still prints its table and writes the plot; the
+# that long; half of LEFT when it is short), so the run still prints its table and writes the plot; the
 # timeout only catches a case that runs longer (ResNet-50 above all).
 # shellcheck disable=SC2086
 (cd "$WORK" && timeout "$LEFT" "${BENCH[@]}" --timing latency,throughput --reps 30 \
-   --workloads "$WORKLOADS" --sizes "$SWEEP_SIZES" --model-dtypes "$MODEL_DTYPES" --time-budget "$(( LEFT - 60 ))" ${BENCH_ARGS:-} \
+   --workloads "$WORKLOADS" --sizes "$SWEEP_SIZES" --model-dtypes "$MODEL_DTYPES" --time-budget "$(( LEFT > 120 ? LEFT - 60 : LEFT / 2 ))" ${BENCH_ARGS:-} \
    --json "$OUT/bench_gpu.json" --plot "$OUT/bench_gpu.png") >"$OUT/bench.log" 2>&1
 BENCH_RC=$?
 set -e
