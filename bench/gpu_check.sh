@@ -30,8 +30,8 @@
 # 450 s); the benchmark gets what the build and the tests left, less the
 # VARIANTS_S (default 75 s) kept for the kernel variants, at most 240 s.
 # To fit, it runs 30 repetitions (not 50) and the op sweep at 8 sizes (every
-# power of 2 from 2^22, where the bar and the thresholds are read;
-# every other one below). The op sweep of every dtype runs before the models,
+# power of 2 from 2^22, around the bar at 2^24 and up; every other one
+# below, which is as fine as the thresholds read off the sweep get). The op sweep of every dtype runs before the models,
 # so a run out of time loses models (the long compiles), not the sweep the
 # thresholds come from. Each model runs in float32 and bfloat16 (MODEL_DTYPES;
 # cuDNN's fused attention takes 16-bit inputs only) before the next, in

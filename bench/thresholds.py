@@ -200,6 +200,10 @@ def forms_main(args) -> int:
 
 # ------------------------------------------------------------ --from-bench
 OP_FORMS = {"add_relu": "plain", "bias_add_relu": "bias"}  # the sweep's op workloads
+# The dtypes the kernels serve (jaxfuse._primitive.SERVED_DTYPES): each gets an
+# entry, None where the run did not measure it, so pasting the entries never
+# leaves a dtype without a threshold.
+SERVED = ("float32", "float64", "bfloat16", "float16")
 BAR_LOG2 = 24  # the GPU issue's bar: from 2^24 elements ...
 BAR_RATIO = 1.00  # ... at most XLA's time (median) ...
 BAR_PCT_OF_COPY = 93.0  # ... and at 93% or more of the copy reference
@@ -208,8 +212,9 @@ BAR_PCT_OF_COPY = 93.0  # ... and at 93% or more of the copy reference
 def read_sweep(run: dict) -> dict:
     """The op sweep's kernel records of a benchmark run (`jaxfuse-bench --json`),
     as {(form, dtype): {(elements, shape): {timing_mode: record}}} (one size can
-    be swept in two shapes: 2^20 flat and 1024x1024). Refuses a run where the
-    kernel did not run (a fallback build), naming what it found."""
+    be swept in two shapes: 2^20 flat and 1024x1024). A case where the kernel
+    did not run is kept, and never counts as a win (`_wins`); a run where it ran
+    nowhere (a fallback build) is refused, naming what was found."""
     if run.get("fallback"):
         raise ValueError(f"the run timed no kernel ({run.get('fallback_note') or 'fallback'}): "
                          "no threshold can be read from it")
@@ -220,9 +225,6 @@ def read_sweep(run: dict) -> dict:
         form = OP_FORMS.get(r["workload"])
         if form is None:
             continue
-        if r.get("impl") != "kernel":
-            raise ValueError(f"{r['workload']} {r['dtype']} at {r['elements']} elements ran "
-                             f"{r.get('impl')!r}, not the kernel: no threshold can be read")
         size = (r["elements"], tuple(r.get("shape") or ()))
         found.setdefault((form, r["dtype"]), {}).setdefault(size, {})[r["timing_mode"]] = r
     if not found:
@@ -234,31 +236,46 @@ def read_sweep(run: dict) -> dict:
 def _wins(by_mode: dict) -> bool:
     """The kernel wins at a size: both timing modes measured, and each ratio's
     95% interval wholly below 1 (the rule of the timed search above)."""
-    return all(m in by_mode and by_mode[m].get("ratio_ci") is not None
+    return all(m in by_mode and by_mode[m].get("impl") == "kernel"
+               and by_mode[m].get("ratio_ci") is not None
                and by_mode[m]["ratio_ci"][1] < 1.0 for m in ("latency", "throughput"))
+
+
+def swept_short(sweep: dict) -> tuple[dict, int]:
+    """({(form, dtype): its largest size} for those swept short of the run's
+    largest size (a time budget spent), the run's largest size)."""
+    top = max(n for sizes in sweep.values() for n, _ in sizes)
+    largest = {key: max(n for n, _ in sizes) for key, sizes in sweep.items()}
+    return {key: n for key, n in largest.items() if n < top}, top
 
 
 def thresholds_of(sweep: dict) -> dict:
     """{(form, dtype): smallest measured size (elements) from which the kernel
-    wins at every larger measured size, in every shape measured, or None}."""
+    wins at every larger measured size, in every shape measured, or None}. A
+    (form, dtype) swept short of the run's largest size gets None: nothing was
+    measured above where it stopped."""
+    short, _ = swept_short(sweep)
     out = {}
     for key, sizes in sweep.items():
         wins: dict = {}
         for n, shape in sizes:
             wins[n] = wins.get(n, True) and _wins(sizes[n, shape])
-        out[key] = _first_of_run(sorted(wins.items()))
+        out[key] = None if key in short else _first_of_run(sorted(wins.items()))
     return out
 
 
 def platform_entries(found: dict) -> tuple[dict, dict]:
     """The cost model's entries (cost.PlatformFacts) for these thresholds:
-    `min_elements` per dtype is the largest measured form's threshold (None if
-    any form never wins), and `form_min_elements` keeps a form's own smaller one."""
-    dtypes = sorted({d for _, d in found})
+    `min_elements` per served dtype is the largest measured form's threshold
+    (None if any form never wins, or the dtype was not measured: then
+    `cost.platform_reason` declines it), and `form_min_elements` keeps a
+    form's own threshold where it is smaller or the dtype's is None (a form's
+    own entry is what the cost model reads first)."""
+    dtypes = sorted(set(SERVED) | {d for _, d in found})
     min_elements = {}
     for d in dtypes:
         values = [v for (f, dd), v in found.items() if dd == d]
-        min_elements[d] = None if any(v is None for v in values) else max(values)
+        min_elements[d] = None if not values or any(v is None for v in values) else max(values)
     form_min = {k: v for k, v in sorted(found.items())
                 if v is not None and (min_elements[k[1]] is None or v < min_elements[k[1]])}
     return min_elements, form_min
@@ -274,7 +291,7 @@ def bar_rows(sweep: dict) -> list[tuple]:
                 continue
             for mode, r in sorted(sizes[n, shape].items()):
                 ratio, pct = r.get("ratio_median"), r.get("pct_of_roofline")
-                ok = (ratio is not None and pct is not None
+                ok = (r.get("impl") == "kernel" and ratio is not None and pct is not None
                       and ratio <= BAR_RATIO and pct >= BAR_PCT_OF_COPY)
                 rows.append((form, dtype, n, mode, ratio, pct, ok))
     return rows
@@ -289,6 +306,7 @@ def from_bench_main(path: str, out: str | None) -> int:
         run = json.load(f)
     sweep = read_sweep(run)
     found = thresholds_of(sweep)
+    short, top = swept_short(sweep)
     lines = [f"# bench/thresholds.py --from-bench {path}: {run.get('platform')} "
              f"({run.get('device_kind')}), jax {run.get('jax_version')}, run of {run.get('date')}"
              + ("" if run.get("complete", True) else " (incomplete run: only what it measured)"),
@@ -302,9 +320,14 @@ def from_bench_main(path: str, out: str | None) -> int:
                 ci = r and r.get("ratio_ci")
                 cells.append("-" if not ci else f"{r['ratio_median']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
             label = _log2(n) + (f" ({'x'.join(map(str, shape))})" if len(shape) > 1 else "")
+            not_kernel = sorted({r.get("impl") for r in by_mode.values()} - {"kernel"}, key=str)
             lines.append(f"{form:5s} {dtype:9s} {label}: {cells[0]} | {cells[1]}"
-                         + ("  kernel wins" if _wins(by_mode) else ""))
-        lines.append(f"{form} {dtype}: min_elements = {found[(form, dtype)]}")
+                         + ("  kernel wins" if _wins(by_mode) else "")
+                         + (f"  (ran {', '.join(map(str, not_kernel))}, not the kernel)"
+                            if not_kernel else ""))
+        lines.append(f"{form} {dtype}: min_elements = {found[(form, dtype)]}"
+                     + (f" (swept only up to {_log2(short[form, dtype])} of the run's "
+                        f"{_log2(top)})" if (form, dtype) in short else ""))
     rows = bar_rows(sweep)
     lines.append(f"# the bar: at 2^{BAR_LOG2} elements or more, at most {BAR_RATIO:.2f}x XLA's time "
                  f"(median) and at {BAR_PCT_OF_COPY:.0f}% or more of the copy reference")

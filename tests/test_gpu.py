@@ -236,9 +236,10 @@ def _relative_error(got, want) -> float:
 def test_attention_rule_runs_cudnn_at_16_bits_gpu(rng, dtype):
     # flax.linen attention: the rule gives it jax.nn.dot_product_attention on
     # cuDNN's fused kernel at 16 bits (float32 takes XLA's path). Values and
-    # gradients against the layer in float32, no further from it than the
-    # layer's own program in `dtype` is, with the dtype's rounding as the floor
-    # (float32 dots run on the GPU's tf32 matrix units at jax's default precision).
+    # gradients against the layer in float32: within twice the error of the
+    # layer's own program in `dtype`, or the dtype's rounding where that is
+    # smaller (float32 dots run on the GPU's tf32 matrix units at jax's default
+    # precision, so two float32 programs differ by about 1e-3).
     nn = pytest.importorskip("flax.linen")
     from jaxfuse import _compat
     from jaxfuse.rules import attention

@@ -74,6 +74,17 @@ def test_a_size_swept_in_two_shapes_wins_only_if_both_do():
     assert thresholds.thresholds_of(sweep) == {("plain", "float32"): 1 << 22}
 
 
+def test_a_sweep_cut_short_gives_no_threshold():
+    # bfloat16 stopped at 2^24 (a time budget) while float32 reached 2^26:
+    # nothing above 2^24 was measured for it, so no threshold is read.
+    run = run_of(both("add_relu", "float32", 24, 0.9), both("add_relu", "float32", 26, 0.9),
+                 both("add_relu", "bfloat16", 22, 0.9), both("add_relu", "bfloat16", 24, 0.9))
+    sweep = thresholds.read_sweep(run)
+    assert thresholds.swept_short(sweep) == ({("plain", "bfloat16"): 1 << 24}, 1 << 26)
+    assert thresholds.thresholds_of(sweep) == {("plain", "float32"): 1 << 24,
+                                               ("plain", "bfloat16"): None}
+
+
 def test_largest_size_losing_means_no_threshold():
     run = run_of(both("add_relu", "float16", 24, 0.8), both("add_relu", "float16", 26, 1.001))
     assert thresholds.thresholds_of(thresholds.read_sweep(run)) == {("plain", "float16"): None}
@@ -84,10 +95,38 @@ def test_platform_entries_take_the_largest_form_and_keep_smaller_forms():
              ("plain", "bfloat16"): None, ("bias", "bfloat16"): 1 << 22,
              ("plain", "float64"): 1 << 22, ("bias", "float64"): 1 << 22}
     min_elements, form_min = thresholds.platform_entries(found)
-    assert min_elements == {"bfloat16": None, "float32": 1 << 24, "float64": 1 << 22}
+    # every served dtype gets an entry: float16, not measured, is None (declined)
+    assert min_elements == {"bfloat16": None, "float16": None, "float32": 1 << 24, "float64": 1 << 22}
     # a form never measured falls back to min_elements: fused only where every
     # measured form pays; the measured forms' own smaller thresholds are kept
     assert form_min == {("bias", "bfloat16"): 1 << 22, ("bias", "float32"): 1 << 20}
+
+
+def test_the_cost_model_reads_the_entries_as_meant(monkeypatch):
+    # Pasted into a platform's facts, the entries decide as the search found:
+    # bias bfloat16 (its own threshold) fused even though plain bfloat16 never
+    # won; plain bfloat16, a form never measured in bfloat16, and float16 and
+    # float64 (unmeasured) declined.
+    from jaxfuse.rewrite import cost
+
+    found = {("plain", "float32"): 1 << 24, ("bias", "float32"): 1 << 20,
+             ("plain", "bfloat16"): None, ("bias", "bfloat16"): 1 << 22}
+    min_elements, form_min = thresholds.platform_entries(found)
+    monkeypatch.setitem(cost.PLATFORMS, "testplatform", cost.PlatformFacts(
+        min_elements=min_elements, form_min_elements=form_min, folds_dot_epilogue=False,
+        folds_conv_epilogue=False, transposes_nchw_conv=False, source="test"))
+    fused = set()
+    for form in ("plain", "bias", "scale_shift"):
+        for dtype in thresholds.SERVED:
+            for n in (1 << 21, 1 << 23, 1 << 25):
+                site = cost.SiteFacts(pattern="p", elements=n, dtype=dtype, producers=("input",),
+                                      consumers=("output",), form=form)
+                if cost.platform_reason(site, "testplatform") is None:
+                    fused.add((form, dtype, n))
+    assert fused == {("plain", "float32", 1 << 25), ("bias", "float32", 1 << 21),
+                     ("bias", "float32", 1 << 23), ("bias", "float32", 1 << 25),
+                     ("bias", "bfloat16", 1 << 23), ("bias", "bfloat16", 1 << 25),
+                     ("scale_shift", "float32", 1 << 25)}
 
 
 def test_bar_needs_both_the_ratio_and_the_share_of_the_copy():
@@ -106,8 +145,11 @@ def test_refuses_a_run_without_the_kernel():
     with pytest.raises(ValueError, match="timed no kernel"):
         thresholds.read_sweep(run_of(both("add_relu", "float32", 24, 0.9),
                                      fallback=True, fallback_note="no CUDA kernel built"))
-    with pytest.raises(ValueError, match="ran 'xla', not the kernel"):
-        thresholds.read_sweep(run_of(both("add_relu", "float32", 24, 0.9, impl="xla")))
+    # a case the kernel did not run is kept but never wins, nor meets the bar
+    sweep = thresholds.read_sweep(run_of(both("add_relu", "float32", 24, 0.5),
+                                         both("add_relu", "float32", 26, 0.5, impl="xla")))
+    assert thresholds.thresholds_of(sweep) == {("plain", "float32"): None}
+    assert [ok for *_, ok in thresholds.bar_rows(sweep)] == [True, True, False, False]
     with pytest.raises(ValueError, match="no op sweep"):
         thresholds.read_sweep({"records": [{"kind": "model", "mode": "jaxfuse"}]})
 
@@ -123,6 +165,9 @@ def test_reads_a_recorded_run(tmp_path, capsys):
     assert thresholds.main(["--from-bench", path, "--out", str(out)]) == 0
     text = out.read_text()
     found = thresholds.thresholds_of(sweep)
+    # the values the notes quote for this run (four sizes, 2^20 .. 2^24)
+    assert thresholds.platform_entries(found)[0] == {
+        "float32": 1 << 23, "float64": 1 << 22, "bfloat16": 1 << 24, "float16": None}
     for (form, dtype), value in found.items():
         assert f"{form} {dtype}: min_elements = {value}" in text
     min_elements, _ = thresholds.platform_entries(found)

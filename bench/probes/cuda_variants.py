@@ -135,6 +135,12 @@ def main(argv=None) -> int:
                             f"{'bits ok' if bits else 'BITS DIFFER'}")
                         print(lines[-1], file=sys.stderr, flush=True)
                     del a, b
+                # this pair's verdict in the progress too: a run its timeout
+                # cuts off keeps the pairs it finished
+                best = fastest(results).get((name, form))
+                if best is not None:
+                    print(f"fastest {name} {form}: v{best[0]}, at most {best[1]:.3f}x XLA's time",
+                          file=sys.stderr, flush=True)
     finally:
         module.configure(_env.SETTINGS.cuda_variant)
     lines.append("# fastest variant per dtype and form (largest jaxfuse/xla ratio over the sizes; "

@@ -548,9 +548,13 @@ def platform_reason(facts: SiteFacts | None, platform: str, isa: str | None = No
     if (level, facts.dtype) in p.isa_min_elements and p.isa_min_elements[(level, facts.dtype)] is None:
         return (f"on {platform} targeting {level} the kernel has not beaten XLA's own "
                 f"{facts.dtype} loop at any size measured ({p.isa_source})")
-    if facts.dtype in p.min_elements and p.min_elements[facts.dtype] is None:
+    # A form measured on its own (form_min_elements) keeps its threshold even
+    # where the dtype's other forms never paid; a dtype never measured is declined.
+    form_own = p.form_min_elements.get((facts.form, facts.dtype))
+    if form_own is None and p.min_elements_for(facts.dtype, level) is None:
         return (f"on {platform} the kernel has not beaten XLA's own fusion at any size "
-                f"measured ({p.source})")
+                f"measured ({p.source})" if facts.dtype in p.min_elements else
+                f"on {platform} the kernel has not been measured for {facts.dtype}")
     if facts.symbolic:
         # Even a size provably above the threshold: above every measured
         # threshold a call is paced (rewrite.pacing.paced); one of symbolic size is not.
