@@ -42,9 +42,11 @@ to XLA has its interval's upper end below 1 at every larger measured size, in
 both timing modes. It also prints, per case at 2^24 elements or more, whether
 the kernel is at most 1.00x XLA's time and at 93% or more of the copy
 reference (the GPU issue's bar), and the cost-model entries the thresholds give:
-`min_elements` per dtype is the largest of the measured forms' thresholds (so
-a form never measured is fused only where every measured form pays), and a
-form whose own threshold is smaller gets a `form_min_elements` entry.
+`min_elements` for every served dtype is the largest of the measured forms'
+thresholds (so a form never measured is fused only where every measured form
+pays; None where a form never won or the dtype was not measured), and a form
+whose own threshold is smaller, or whose dtype's is None, gets a
+`form_min_elements` entry.
 
 Usage: python bench/thresholds.py [--max-log2 22] [--reps 15] [--out FILE]
        python bench/thresholds.py --forms plain,bias,batchnorm,residual [--min-log2 14]
@@ -56,17 +58,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
-import sys
-
 import json
 import math
+import platform
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxfuse
+from jaxfuse import _primitive
 from jaxfuse.bench import timing
 
 
@@ -164,7 +166,8 @@ def _row(label: str, lat, thr, mark) -> str:
 
 
 def _first_of_run(flags) -> int | None:
-    """The smallest log2 size from which every (log2 size, ok) pair is ok."""
+    """The smallest size from which every (size, ok) pair, in increasing size,
+    is ok (None: the largest is not)."""
     first = None
     for k, ok in reversed(flags):
         if not ok:
@@ -200,10 +203,9 @@ def forms_main(args) -> int:
 
 # ------------------------------------------------------------ --from-bench
 OP_FORMS = {"add_relu": "plain", "bias_add_relu": "bias"}  # the sweep's op workloads
-# The dtypes the kernels serve (jaxfuse._primitive.SERVED_DTYPES): each gets an
-# entry, None where the run did not measure it, so pasting the entries never
-# leaves a dtype without a threshold.
-SERVED = ("float32", "float64", "bfloat16", "float16")
+# The dtypes the kernels serve: each gets an entry, None where the run did not
+# measure it, so pasting the entries never leaves a dtype without a threshold.
+SERVED = tuple(d.name for d in _primitive.SERVED_DTYPES)
 BAR_LOG2 = 24  # the GPU issue's bar: from 2^24 elements ...
 BAR_RATIO = 1.00  # ... at most XLA's time (median) ...
 BAR_PCT_OF_COPY = 93.0  # ... and at 93% or more of the copy reference

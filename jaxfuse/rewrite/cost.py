@@ -551,7 +551,8 @@ def platform_reason(facts: SiteFacts | None, platform: str, isa: str | None = No
     # A form measured on its own (form_min_elements) keeps its threshold even
     # where the dtype's other forms never paid; a dtype never measured is declined.
     form_own = p.form_min_elements.get((facts.form, facts.dtype))
-    if form_own is None and p.min_elements_for(facts.dtype, level) is None:
+    smallest = form_own if form_own is not None else p.min_elements_for(facts.dtype, level)
+    if smallest is None:
         return (f"on {platform} the kernel has not beaten XLA's own fusion at any size "
                 f"measured ({p.source})" if facts.dtype in p.min_elements else
                 f"on {platform} the kernel has not been measured for {facts.dtype}")
@@ -569,9 +570,7 @@ def platform_reason(facts: SiteFacts | None, platform: str, isa: str | None = No
                     f"a {facts.form} epilogue of {facts.channels} channels after a convolution "
                     f"on {platform} (measured: {p.conv_source})")
         return None
-    smallest = p.form_min_elements.get((facts.form, facts.dtype),
-                                       p.min_elements_for(facts.dtype, level))
-    if smallest is not None and facts.elements < smallest:
+    if facts.elements < smallest:
         return (f"{facts.elements} elements: below {smallest}, the cost of a custom call on "
                 f"{platform} exceeds what the kernel saves over XLA's loop "
                 f"(measured: {p.source})")
