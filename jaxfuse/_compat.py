@@ -351,7 +351,7 @@ def jit_constraints(params: dict) -> str | None:
     if not all(map(_unspecified, (*params.get("in_shardings", ()),
                                   *params.get("out_shardings", ())))):
         return "pins shardings"
-    if any(l is not None for l in (*params.get("in_layouts", ()), *params.get("out_layouts", ()))):
+    if any(lay is not None for lay in (*params.get("in_layouts", ()), *params.get("out_layouts", ()))):
         return "pins layouts"
     if params.get("compiler_options_kvs"):
         return "sets compiler options"

@@ -74,8 +74,8 @@ def unmeasured_isa_reason() -> str | None:
     """Why `auto`'s CPU decisions cannot be pinned here: XLA targets an ISA
     level the cost model was never measured for, where `auto` declines every
     site by design (tests/test_isa.py tests that); None where they can."""
-    from jaxfuse import _isa
-    from jaxfuse.rewrite import cost
+    from jaxfuse.ops import isa as _isa
+    from jaxfuse.fusion.policy import cost
 
     level = _isa.target_level_here()
     measured = cost.PLATFORMS["cpu"].isa_levels
@@ -109,10 +109,10 @@ SPECIALS = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0], dt
 
 
 def load_bench_script(name: str):
-    """A script of bench/ (not a package) as a module, to test what it computes."""
+    """A script of benchmarks/ (not a package) as a module, to test what it computes."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", f"{name}.py")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", f"{name}.py")
     spec = importlib.util.spec_from_file_location(os.path.basename(name), path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -54,12 +54,11 @@ def checks(cache_dir: str) -> dict:
     import numpy as np
 
     import jax
-    import jax.numpy as jnp
     from jax.experimental import multihost_utils
     from jax.sharding import PartitionSpec as P
 
     import jaxfuse
-    from jaxfuse import tuning
+    from jaxfuse.fusion.tuning import autotuner as tuning
 
     out: dict = {"devices": jax.device_count(), "local_devices": jax.local_device_count(),
                  "processes": jax.process_count()}

@@ -1,5 +1,5 @@
 """Functions for the command line tests of tests/test_pictures.py
-(`python -m jaxfuse.explain picture_example:...`)."""
+(`jaxfuse-explain picture_example:...`)."""
 
 import jax
 

@@ -5,8 +5,8 @@ test_library_memory).
 Why values are not always compared bit for bit
 ----------------------------------------------
 * forward values are: a fused op rounds as XLA's own fusion of the site does
-  (jaxfuse/_numerics.py), and a site where XLA would contract a product into
-  an add differently is declined (jaxfuse/rewrite/contraction.py).
+  (jaxfuse/ops/numerics.py), and a site where XLA would contract a product into
+  an add differently is declined (jaxfuse/fusion/safety/rounding.py).
 * gradients, and sums over a fused output, are compared within a tolerance:
   XLA:CPU lets LLVM reassociate a reduction's adds, and the order it picks
   depends on the loop body, which the custom call changes for reductions that
@@ -25,7 +25,7 @@ import jax
 
 import jaxfuse
 from jaxfuse import add_relu_p, epilogue_p
-from jaxfuse.rewrite.subjaxprs import all_eqns
+from jaxfuse.fusion.ir.subjaxprs import all_eqns
 from conftest import assert_bitwise_equal
 
 _RTOL = {np.dtype(np.float16): 2e-3, np.dtype(jax.numpy.bfloat16): 2e-2}

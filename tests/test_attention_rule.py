@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from jaxfuse.rewrite.subjaxprs import all_eqns
+from jaxfuse.fusion.ir.subjaxprs import all_eqns
 from conftest import skip_without_float16
 
 pytest.importorskip("flax", reason="needs the `models` extra (flax)")
@@ -120,7 +120,7 @@ def test_vmap_jit_and_idempotence(rng):
     # The replacement's own body (jax.nn's XLA path) holds naive attention of
     # its own spelling: rewriting the rewritten program changes nothing more.
     once = jaxfuse.explain(jaxfuse.optimize(f, patterns=rules()), params, x[0]).jaxpr
-    from jaxfuse.rewrite import rewrite
+    from jaxfuse.fusion import rewrite
     twice, report = rewrite(once, rules())
     assert not report.fused
     assert str(twice) == str(once)

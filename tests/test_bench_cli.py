@@ -22,8 +22,8 @@ import pytest
 import jax
 
 import jaxfuse
-from jaxfuse.bench import cli, compare, reference, report, timing, workloads
-from jaxfuse.bench.timing import Stats
+from jaxfuse_bench import cli, compare, reference, report, timing, workloads
+from jaxfuse_bench.timing import Stats
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 OP_WORKLOADS = {"add_relu", "bias_add_relu"}
@@ -54,7 +54,7 @@ def quick_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     out_json, out_png = d / "bench.json", d / "bench.png"
     cmd = [
-        sys.executable, "-m", "jaxfuse.bench", "--quick",
+        sys.executable, "-m", "jaxfuse_bench", "--quick",
         "--sizes", "4096,65536", "--dtypes", "float32,float64", "--workloads", "add_relu,bias_add_relu,mlp",
         "--reps", "3", "--warmup", "1", "--ref-reps", "1",
         "--json", str(out_json),
@@ -77,7 +77,7 @@ def _records(path):
 
 # ------------------------------------------------------------ the real run
 def test_summary_tables_of_a_run(quick_run, capsys):
-    from jaxfuse.bench import summary
+    from jaxfuse_bench import summary
 
     proc, out_json, _ = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -986,7 +986,7 @@ def test_a_model_shape_that_cannot_size_the_workloads_says_why(capsys, argv, exp
 
 
 def test_every_model_workload_has_a_size_form():
-    from jaxfuse.bench import models
+    from jaxfuse_bench import models
 
     assert set(models.SIZE_FORMS) == set(models.MODEL_WORKLOADS) == set(models.SIZES)
     for wl, form in models.SIZE_FORMS.items():

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxfuse
-from jaxfuse.bench import cli, models, reference, report
+from jaxfuse_bench import cli, models, reference, report
 
 TINY = {
     "relu_add": (4096,),
@@ -217,7 +217,7 @@ def test_library_training_steps_run_and_fuse_under_always(tmp_path, tiny, capsys
     assert rc == 0 and data["errors"] == [], capsys.readouterr()
     sites = {(r["workload"], r["mode"]): r["fused_sites"] for r in data["records"]}
     # The haiku ResNet's BatchNorm runs in training mode: on the batch's mean, which
-    # XLA may contract or not (jaxfuse/rewrite/contraction.py), so none of its sites fuse.
+    # XLA may contract or not (jaxfuse/fusion/safety/rounding.py), so none of its sites fuse.
     expected = {"haiku_resnet_train": 0, "linen_ffn_train": 2, "eqx_mlp_train": 3}
     for wl in wls:
         assert sites[(wl, "jaxfuse-always")] == expected[wl]

@@ -1,4 +1,4 @@
-"""Products XLA contracts into a site's adds (jaxfuse/rewrite/contraction.py):
+"""Products XLA contracts into a site's adds (jaxfuse/fusion/safety/rounding.py):
 every rewritten program gives `jax.jit`'s bits, and the sites where reading a
 product rounded is exact are still fused, so the rules can fail both ways."""
 
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from jaxfuse import _isa, _numerics
+from jaxfuse.ops import isa as _isa, numerics as _numerics
 
 from conftest import assert_bitwise_equal
 from rewrite_support import explain_all, fuse, kernel_active
@@ -205,7 +205,8 @@ def test_sites_xla_rounds_by_position_keep_xla_bits(rng, shape, dtype):
 # ----------------------------------------------------------- the ISA XLA targets
 def test_the_fma_rule_follows_the_isa_xla_targets():
     avx2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
-    level = lambda flags, host=avx2, machine="x86_64": _isa.target_level(flags, machine, host)
+    def level(flags, host=avx2, machine="x86_64"):
+        return _isa.target_level(flags, machine, host)
     assert not _numerics.cpu_contracts(level("--xla_cpu_max_isa=SSE4_2"))
     assert not _numerics.cpu_contracts(level("--xla_cpu_max_isa=avx"))
     assert _numerics.cpu_contracts(level("--xla_cpu_max_isa=AVX2"))

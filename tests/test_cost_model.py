@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxfuse
-from jaxfuse.rewrite import cost
+from jaxfuse.fusion.policy import cost
 
 pytestmark = pytest.mark.measured_isa  # auto's CPU decisions (conftest.py)
 
@@ -29,9 +29,9 @@ SMALL = (4, 8)
 @pytest.fixture(autouse=True)
 def _cost_rules_alone(monkeypatch):
     """These tests pin the cost model's own rules; the whole-program memory
-    check after them (rewrite/memory.py, tests/test_memory.py) would decline
+    check after them (jaxfuse/fusion/policy/memory.py, tests/test_memory.py) would decline
     a lone site for its pacing value's bytes."""
-    from jaxfuse.rewrite import memory
+    from jaxfuse.fusion.policy import memory
 
     monkeypatch.setattr(memory, "CHECKING", False)
 
@@ -77,8 +77,8 @@ def test_lowering_declines_what_a_rewrite_for_an_unknown_platform_kept():
     # another device than the default), the fused op carries its facts and
     # the lowering for the real platform still declines it.
     from jaxfuse import _compat as C
-    from jaxfuse.rewrite.patterns import resolve
-    from jaxfuse.rewrite.walker import rewrite
+    from jaxfuse.fusion.match.patterns import resolve
+    from jaxfuse.fusion.match.walker import rewrite
 
     f = lambda a, b: jax.nn.relu(a + b)  # noqa: E731
     closed = jax.make_jaxpr(f)(jnp.ones(SMALL), jnp.ones(SMALL))
@@ -255,7 +255,7 @@ def test_narrow_matmul_neighbours_are_left_to_xla_on_cpu():
 
 def test_optimize_rewrites_for_the_default_device_jit_uses(monkeypatch):
     from jaxfuse import _compat as C
-    from jaxfuse.rewrite import api
+    from jaxfuse.fusion import api
 
     cpus = jax.devices("cpu")
     with jax.default_device(cpus[-1]):

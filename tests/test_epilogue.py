@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import jaxfuse
-from jaxfuse import _numerics
-from jaxfuse._primitive import epilogue_p, epilogue_reference
+from jaxfuse.ops import numerics as _numerics
+from jaxfuse.ops.primitive import epilogue_p, epilogue_reference
 
 from conftest import assert_bitwise_equal, random_operand
 
@@ -110,8 +109,10 @@ def _tie_inputs(rng, shape=(6, 7)):
 def test_gradients_match_both_tie_conventions(rng, grad_at_zero, relu):
     x, s, t = _tie_inputs(rng)
     w = random_operand(rng, x.shape, np.float32, specials=False)
-    fused = lambda x, s, t: jnp.sum(w * jaxfuse.scale_shift_relu(x, s, t, grad_at_zero=grad_at_zero))
-    plain = lambda x, s, t: jnp.sum(w * relu(x * s + t))
+    def fused(x, s, t):
+        return jnp.sum(w * jaxfuse.scale_shift_relu(x, s, t, grad_at_zero=grad_at_zero))
+    def plain(x, s, t):
+        return jnp.sum(w * relu(x * s + t))
     got = jax.jit(jax.grad(fused, (0, 1, 2)))(x, s, t)
     want = jax.jit(jax.grad(plain, (0, 1, 2)))(x, s, t)
     for g, r in zip(got, want):
@@ -127,8 +128,10 @@ def test_gradients_with_mean_and_residual(rng):
     m[::2] = 0.25  # dyadic: x - m is exact, so ties stay exact
     t = -((x[0] - m) * s)
     r = np.where(rng.random((5, 9)) < 0.5, 0, random_operand(rng, (5, 9), np.float32, specials=False))
-    fused = lambda *a: jnp.sum(jnp.sin(jaxfuse.scale_shift_relu(a[0], a[1], a[2], mean=a[3], residual=a[4])))
-    plain = lambda x, s, t, m, r: jnp.sum(jnp.sin(jax.nn.relu((x - m) * s + t + r)))
+    def fused(*a):
+        return jnp.sum(jnp.sin(jaxfuse.scale_shift_relu(a[0], a[1], a[2], mean=a[3], residual=a[4])))
+    def plain(x, s, t, m, r):
+        return jnp.sum(jnp.sin(jax.nn.relu((x - m) * s + t + r)))
     got = jax.jit(jax.grad(fused, range(5)))(x, s, t, m, r)
     want = jax.jit(jax.grad(plain, range(5)))(x, s, t, m, r)
     for g, w in zip(got, want):
@@ -155,7 +158,7 @@ def test_lowers_to_one_custom_call_with_the_platforms_rounding(rng):
     x, s, t = _tie_inputs(rng, (4, 8))
     text = jax.jit(lambda x, s, t: jaxfuse.scale_shift_relu(x, s, t, residual=x)).lower(x, s, t).as_text()
     assert text.count("stablehlo.custom_call @jaxfuse_epilogue") == 1
-    # XLA:CPU contracts float32 where the ISA it targets has FMA (jaxfuse/_numerics.py)
+    # XLA:CPU contracts float32 where the ISA it targets has FMA (jaxfuse/ops/numerics.py)
     contract = _numerics.cpu_contracts_here()
     assert f"contract = {str(contract).lower()}" in text
     assert "stablehlo.maximum" not in text and "stablehlo.multiply" not in text

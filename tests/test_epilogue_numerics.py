@@ -1,5 +1,5 @@
 """Which rounding rule XLA uses for a multi-operation epilogue on this platform,
-established by measurement: the rule recorded in jaxfuse/_numerics.py gives
+established by measurement: the rule recorded in jaxfuse/ops/numerics.py gives
 XLA's bits, and each alternative rule does not (so the test can fail)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfuse import _kernels, _numerics
-from jaxfuse._sharding import local_call
+from jaxfuse.ops import kernels as _kernels, numerics as _numerics
+from jaxfuse.ops.sharding import local_call
 
 from conftest import assert_bitwise_equal
 

@@ -20,7 +20,7 @@ _SOURCE = open(__file__).read().splitlines()
 
 def line_of(marker: str) -> str:
     """`test_explain.py:N` for the line carrying `# <marker>`."""
-    (n,) = [i + 1 for i, l in enumerate(_SOURCE) if l.rstrip().endswith(f"# <{marker}>")]
+    (n,) = [i + 1 for i, text in enumerate(_SOURCE) if text.rstrip().endswith(f"# <{marker}>")]
     return f"test_explain.py:{n}"
 
 
@@ -162,7 +162,7 @@ def test_users_own_code_under_a_library_transform_names_no_layer():
 
 
 def test_the_benchmarks_own_models_are_user_code():
-    from jaxfuse.bench import workloads
+    from jaxfuse_bench import workloads
 
     params = workloads.init_resnet_params(jax.random.key(0), 8, jnp.float32)
     x = jnp.ones((1, 4, 4, 8), jnp.float32)
@@ -186,7 +186,8 @@ def test_str_is_a_readable_table(report):
 
 def test_unknown_higher_order_primitive_is_named():
     # custom_linear_solve: a higher-order primitive the pass does not know
-    f = lambda b: jax.lax.custom_linear_solve(lambda x: x, b, solve=lambda mv, b: jax.nn.relu(b + 1.0))
+    def f(b):
+        return jax.lax.custom_linear_solve(lambda x: x, b, solve=lambda mv, b: jax.nn.relu(b + 1.0))
     report = explain_all(f, jnp.ones(4))
     assert [k.primitive for k in report.skipped] == ["custom_linear_solve"]
     assert report.skipped[0].location.endswith(".py:" + report.skipped[0].location.rsplit(":", 1)[1])
@@ -213,3 +214,22 @@ def test_explain_takes_shape_dtype_structs_and_static_leaves():
 def test_report_jaxpr_is_the_rewritten_program():
     report = explain_all(lambda a: jax.nn.relu(a + 1.0), np.ones(3, np.float32))
     assert "jaxfuse_add_relu" in str(report.jaxpr)
+
+
+def test_explain_decides_for_the_arguments_devices(monkeypatch):
+    """The cost decisions are made for the platform of the arguments' devices
+    (as jit compiles for them), not the default backend's."""
+    from jaxfuse.fusion import api
+
+    monkeypatch.setattr(api, "trace_platform", lambda: "tpu")
+    f = lambda a, b: jax.nn.relu(a + b)  # noqa: E731
+    cpu = jax.devices("cpu")[0]
+    committed = jax.device_put(jnp.ones((8, 8)), cpu)
+    assert jaxfuse.explain(f, committed, committed).platform == "cpu"
+    # abstract arguments carry no device: the default backend's platform
+    sds = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    assert jaxfuse.explain(f, sds, sds).platform == "tpu"
+    # a deleted array has no device: the next argument's is taken
+    gone = jax.device_put(jnp.ones((8, 8)), cpu)
+    gone.delete()
+    assert api._platform_of((gone, committed), {}) == "cpu"

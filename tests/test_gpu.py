@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxfuse
-from rewrite_support import explain_all, fuse
+from rewrite_support import fuse
 
 from conftest import assert_bitwise_equal, random_operand
 
@@ -50,7 +50,7 @@ def _reference(a, b):
 
 
 def test_cuda_kernel_is_built_and_registered():
-    assert jaxfuse.kernels()["cuda"] is True, jaxfuse._kernels.why_not("cuda")
+    assert jaxfuse.kernels()["cuda"] is True, jaxfuse.ops.kernels.why_not("cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -97,7 +97,8 @@ def test_grad_on_gpu(rng, grad_at_zero, spelled):
 
 
 def test_optimized_function_runs_our_kernel_on_gpu(rng):
-    f = lambda x, b: jax.nn.relu(x + b) * 2.0
+    def f(x, b):
+        return jax.nn.relu(x + b) * 2.0
     x = jax.device_put(random_operand(rng, (256, 512), jnp.bfloat16), _gpu())
     b = jax.device_put(random_operand(rng, (512,), jnp.bfloat16), _gpu())
     opt = fuse(f)
@@ -120,9 +121,9 @@ def test_kernel_in_a_loop_body(rng):
 
 
 # ----------------------------------------------------------- the epilogue family
-from jaxfuse import _kernels as _K  # noqa: E402
-from jaxfuse import _numerics  # noqa: E402
-from jaxfuse._sharding import local_call  # noqa: E402
+from jaxfuse.ops import kernels as _K  # noqa: E402
+from jaxfuse.ops import numerics as _numerics  # noqa: E402
+from jaxfuse.ops.sharding import local_call  # noqa: E402
 
 EPILOGUE_FORMS = {
     "x*s+t": (dict(mean=False, prescale=False, residual=False), lambda x, m, q, s, t, r: x * s + t),
@@ -143,8 +144,8 @@ def _epilogue_kernel(flags, contract, each_op):
 @pytest.mark.parametrize("form", list(EPILOGUE_FORMS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_epilogue_rounding_rule_matches_xla_gpu(rng, dtype, form):
-    """The rule jaxfuse/_numerics.py records for CUDA gives XLA:GPU's bits; on a
-    mismatch the message says which rule does (update _numerics.py with it)."""
+    """The rule jaxfuse/ops/numerics.py records for CUDA gives XLA:GPU's bits; on a
+    mismatch the message says which rule does (update jaxfuse/ops/numerics.py with it)."""
     flags, spelled = EPILOGUE_FORMS[form]
     with _x64(dtype):
         shape = (256, 384)
@@ -208,13 +209,13 @@ VARIANT_SHAPES = [((7,), (7,)), ((1000003,), (1000003,)), ((1025, 4096), (4096,)
                   ((1031, 4104), (4104,)), ((3, 17, 33), ()), ((1 << 22) + 8, (1 << 22) + 8)]
 
 
-@pytest.mark.parametrize("variant", range(1, jaxfuse._kernels.limits("cuda").get("variants", 1)))
+@pytest.mark.parametrize("variant", range(1, jaxfuse.ops.kernels.limits("cuda").get("variants", 1)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("a_shape,b_shape", VARIANT_SHAPES, ids=str)
 def test_every_kernel_variant_bitwise_equal_xla_gpu(rng, variant, dtype, a_shape, b_shape):
-    # bench/probes/cuda_variants.py times the variants; each must first give XLA's bits
+    # benchmarks/probes/cuda_variants.py times the variants; each must first give XLA's bits
     # (vector tails, a bias carried across grid strides, NaN/Inf via random_operand).
-    module = jaxfuse._kernels._modules["cuda"]
+    module = jaxfuse.ops.kernels._modules["cuda"]
     with _x64(dtype):
         a = jax.device_put(random_operand(rng, a_shape, dtype), _gpu())
         b = jax.device_put(random_operand(rng, b_shape, dtype), _gpu())
@@ -223,7 +224,7 @@ def test_every_kernel_variant_bitwise_equal_xla_gpu(rng, variant, dtype, a_shape
             got = jax.jit(lambda p, q: jaxfuse.add_relu(p, q))(a, b)  # a fresh program
             got.block_until_ready()
         finally:
-            module.configure(jaxfuse._env.SETTINGS.cuda_variant)
+            module.configure(jaxfuse.ops.env.SETTINGS.cuda_variant)
         assert_bitwise_equal(got, _reference(a, b))
 
 

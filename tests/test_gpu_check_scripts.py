@@ -1,12 +1,12 @@
-"""What the one-call GPU check (bench/gpu_check.sh) computes from its
-measurements, checked without a GPU: bench/thresholds.py --from-bench (the cost
+"""What the one-call GPU check (benchmarks/gpu_check.sh) computes from its
+measurements, checked without a GPU: benchmarks/thresholds.py --from-bench (the cost
 model's thresholds and the GPU issue's bar read off a benchmark run's op
 sweep), the fastest kernel variant per dtype and form
-(bench/probes/cuda_variants.py), and the script's own defaults.
+(benchmarks/probes/cuda_variants.py), and the script's own defaults.
 
 The records are written here by hand, one per (form, dtype, size, timing
 mode), so each rule is checked on a case built to pass or fail it; a CPU run
-recorded in bench/results is read as a whole."""
+recorded in benchmarks/results is read as a whole."""
 
 import json
 import os
@@ -18,7 +18,7 @@ from conftest import load_bench_script
 thresholds = load_bench_script("thresholds")
 cuda_variants = load_bench_script("probes/cuda_variants")
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "results")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "results")
 
 
 def record(workload, dtype, log2, mode, hi, *, median=None, pct=95.0, impl="kernel"):
@@ -107,7 +107,7 @@ def test_the_cost_model_reads_the_entries_as_meant(monkeypatch):
     # bias bfloat16 (its own threshold) fused even though plain bfloat16 never
     # won; plain bfloat16, a form never measured in bfloat16, and float16 and
     # float64 (unmeasured) declined.
-    from jaxfuse.rewrite import cost
+    from jaxfuse.fusion.policy import cost
 
     found = {("plain", "float32"): 1 << 24, ("bias", "float32"): 1 << 20,
              ("plain", "bfloat16"): None, ("bias", "bfloat16"): 1 << 22}
@@ -177,10 +177,10 @@ def test_reads_a_recorded_run(tmp_path, capsys):
 
 
 def _script_default(name: str) -> str:
-    """A knob's default in bench/gpu_check.sh (`NAME="${NAME:-default}"`)."""
+    """A knob's default in benchmarks/gpu_check.sh (`NAME="${NAME:-default}"`)."""
     import re
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "gpu_check.sh")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "gpu_check.sh")
     with open(path) as f:
         m = re.search(rf'^{name}="\$\{{{name}:-(.*)\}}"$', f.read(), re.M)
     assert m, f"gpu_check.sh sets no default for {name}"
@@ -190,7 +190,7 @@ def _script_default(name: str) -> str:
 def test_gpu_check_runs_every_workload_and_the_bar_sizes():
     # The one-call GPU script names its workloads to order them: a workload
     # added to the benchmark must not be left out of it.
-    from jaxfuse.bench import cli, models, workloads
+    from jaxfuse_bench import cli, models, workloads
 
     names = _script_default("WORKLOADS").split(",")
     assert sorted(names) == sorted(workloads.OP_WORKLOADS + models.MODEL_WORKLOADS)

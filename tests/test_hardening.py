@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from jaxfuse import _env, _kernels, _lowering
-from jaxfuse.rewrite import graph as graph_mod
+from jaxfuse.ops import env as _env, kernels as _kernels, lowering as _lowering
+from jaxfuse.fusion.ir import graph as graph_mod
 
 from conftest import assert_bitwise_equal, random_operand
 from rewrite_support import explain_all, fuse, fused_count

@@ -15,10 +15,10 @@ from jax import export, lax
 
 import jaxfuse
 from jaxfuse import _compat as C
-from jaxfuse.rewrite import api, cost
-from jaxfuse.rewrite.patterns import resolve
-from jaxfuse.rewrite.target import device_platform
-from jaxfuse.rewrite.walker import rewrite
+from jaxfuse.fusion.policy import cost
+from jaxfuse.fusion.match.patterns import resolve
+from jaxfuse.fusion.target import device_platform
+from jaxfuse.fusion.match.walker import rewrite
 
 from conftest import _has_gpu
 from rewrite_support import explain_all, fuse, fused_count
@@ -113,7 +113,7 @@ def _message(call) -> str:
 
 
 def _tracing_line(message: str) -> str:
-    (line,) = [l for l in message.splitlines() if "The error occurred while tracing" in l]
+    (line,) = [s for s in message.splitlines() if "The error occurred while tracing" in s]
     return line
 
 
@@ -122,7 +122,7 @@ def _where(fun) -> str:
 
 
 def _assert_no_jaxfuse_internals(message: str):
-    for internal in ("_Traced", "flat_fun", "rewrite/api.py", "dynamic["):
+    for internal in ("_Traced", "flat_fun", "jaxfuse/fusion/api.py", "dynamic["):
         assert internal not in message, message
 
 

@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfuse
 from jaxfuse import _compat as C
-from jaxfuse import _env, tuning
+from jaxfuse.ops import env as _env
+from jaxfuse.fusion.tuning import autotuner as tuning
 
 from conftest import random_operand
 from rewrite_support import fused_count
@@ -42,7 +43,7 @@ _IMPORT = textwrap.dedent("""
         warnings.simplefilter("always")
         import jax, jax.numpy as jnp
         import jaxfuse
-        from jaxfuse import _env, _kernels
+        from jaxfuse.ops import env as _env, kernels as _kernels
     x = jnp.ones((4, 3), jnp.float32)
     module = _kernels._modules.get("cpu")
     print(json.dumps({
@@ -172,7 +173,7 @@ _WHILE = textwrap.dedent("""
     import json, time, jax, jax.numpy as jnp
     from jax import lax
     import jaxfuse
-    from jaxfuse import tuning
+    from jaxfuse.fusion.tuning import autotuner as tuning
     f = lambda x, b: jax.nn.relu(lax.while_loop(lambda x: jnp.min(x) < 1.0, lambda x: x * 2.0, x) + b)
     x, b = jnp.ones((512, 512)) * 2, jnp.ones(512)
     start = time.perf_counter()

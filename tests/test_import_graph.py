@@ -74,12 +74,14 @@ def cycles(root: str = ROOT) -> list[list[str]]:
 def test_no_import_cycles():
     found = cycles()
     assert not found, " ; ".join(" -> ".join(c) for c in found[:3])
-    assert "jaxfuse.rewrite.tuning" in _imports(  # the graph sees function-level imports
-        "jaxfuse.rewrite.probe", os.path.join(ROOT, "rewrite", "probe.py"), _modules(ROOT))
+    assert "jaxfuse.fusion.tuning.autotuner" in _imports(  # the graph sees function-level imports
+        "jaxfuse.fusion.policy.probe", os.path.join(ROOT, "fusion", "policy", "probe.py"), _modules(ROOT))
 
 
-def test_the_tuner_is_one_module_under_both_names():
-    import jaxfuse.rewrite.tuning
+def test_the_public_tuning_module_hands_out_the_tuners_own_objects():
+    import jaxfuse.fusion.tuning.autotuner as autotuner
     import jaxfuse.tuning
 
-    assert jaxfuse.tuning is jaxfuse.rewrite.tuning is jaxfuse.rewrite.api.tuning
+    assert jaxfuse.tuning.cache is autotuner.cache and jaxfuse.tuning.DEFAULT is autotuner.DEFAULT
+    assert jaxfuse.tuning.Autotuner is autotuner.Autotuner
+    assert set(jaxfuse.tuning.__all__) <= set(dir(jaxfuse.tuning))

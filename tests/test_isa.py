@@ -1,4 +1,4 @@
-"""The ISA XLA:CPU targets (jaxfuse/_isa.py), and what follows it: the kernels'
+"""The ISA XLA:CPU targets (jaxfuse/ops/isa.py), and what follows it: the kernels'
 vector path and the cost model's thresholds."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from jaxfuse import _isa, _kernels
-from jaxfuse.rewrite import cost
+from jaxfuse.ops import isa as _isa
+from jaxfuse.fusion.policy import cost
 
 AVX512 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
                     "avx512dq"})
@@ -51,7 +51,7 @@ def test_the_kernels_vector_path_follows_xla():
 
 _VECTOR_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, jaxfuse
-    from jaxfuse import _isa, _kernels
+    from jaxfuse.ops import isa as _isa, kernels as _kernels
     jax.config.update("jax_enable_x64", True)
     assert jaxfuse.kernels()["cpu"]
     print("path", _kernels._modules["cpu"].settings()["vector_path"], _isa.target_level_here())
@@ -116,7 +116,7 @@ def test_auto_declines_where_no_measurement_exists_for_the_isa(level):
 
 
 def test_auto_follows_the_level_of_this_process(monkeypatch):
-    from jaxfuse.rewrite import memory
+    from jaxfuse.fusion.policy import memory
 
     # The cost model's rule alone: the whole-program memory check would decline
     # this lone call for its pacing value's bytes (tests/test_memory.py).
@@ -136,7 +136,7 @@ def test_auto_follows_the_level_of_this_process(monkeypatch):
 def test_the_host_level_is_what_xla_reports_it_compiles_for():
     # The level read from /proc/cpuinfo is the one this process's XLA targets:
     # an AVX2 contraction of x*s+t shows in the values exactly when we say so.
-    from jaxfuse import _numerics
+    from jaxfuse.ops import numerics as _numerics
 
     level = _isa.target_level_here()
     assert level in _isa.X86_LEVELS or not _isa.is_x86(level)

@@ -5,7 +5,7 @@ bodies; and `auto` comparing what a call holds (temp plus that workspace).
 The estimate is a model, so the tests pin it three ways: on hand-written
 modules (the arithmetic), on compiled programs (a program without library
 fusions holds exactly XLA's temp), and on the two-block haiku ResNet, whose
-forms' peak resident growth was measured (bench/results,
+forms' peak resident growth was measured (benchmarks/results,
 memory-rss-cpu-avx512-2026-12-03.txt: jit 10.5 MiB, every site fused 8.1 MiB,
 four sites fused and the last block left in its fusion 12.1 MiB; memory-rss-held-cpu-avx512-2026-12-03.txt reads 10.6, 8.2 and 12.1): the
 estimate must order them as the measurement does.
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 
 import jaxfuse
 from rewrite_support import conv_net
-from jaxfuse import tuning
-from jaxfuse.rewrite import library_memory as L
-from jaxfuse.rewrite import memory
+from jaxfuse.fusion.tuning import autotuner as tuning
+from jaxfuse.fusion.tuning import hlo_memory as L
+from jaxfuse.fusion.policy import memory
 
 MiB = 1 << 20
 
@@ -160,7 +160,7 @@ def test_what_a_root_bitcast_passes_on_is_the_output():
 # ----------------------------------------------- the two-block haiku ResNet
 def _haiku_resnet_eval():
     pytest.importorskip("haiku", reason="needs dm-haiku")
-    from jaxfuse.bench import models as M
+    from jaxfuse_bench import models as M
 
     spec = M.BUILDERS["haiku_resnet_eval"](M.size_for("haiku_resnet_eval", "cpu"),
                                            jnp.dtype("float32"), jax.random.key(1))
@@ -176,14 +176,15 @@ def _haiku_resnet_eval():
 
 
 def _calls(closed) -> int:
-    from jaxfuse.rewrite import pacing, subjaxprs
+    from jaxfuse.fusion.policy import pacing
+    from jaxfuse.fusion.ir import subjaxprs
 
     return sum(e.primitive in pacing.FUSED for e in subjaxprs.all_eqns(closed))
 
 
 def _every(closed):
-    from jaxfuse.rewrite.patterns import resolve
-    from jaxfuse.rewrite.walker import rewrite
+    from jaxfuse.fusion.match.patterns import resolve
+    from jaxfuse.fusion.match.walker import rewrite
 
     return rewrite(closed, resolve(None))[0]
 
@@ -191,9 +192,9 @@ def _every(closed):
 def _partly(closed):
     """auto's cost model alone: the sites XLA takes into its fusion fused, the
     last block's output (read only by the mean) left in a library fusion."""
-    from jaxfuse.rewrite import cost
-    from jaxfuse.rewrite.patterns import resolve
-    from jaxfuse.rewrite.walker import rewrite
+    from jaxfuse.fusion.policy import cost
+    from jaxfuse.fusion.match.patterns import resolve
+    from jaxfuse.fusion.match.walker import rewrite
 
     return rewrite(closed, resolve(None), cost=cost.CostModel("cpu"))[0]
 
@@ -239,8 +240,8 @@ def test_auto_splits_the_whole_fusion_or_none_of_it(winner):
         assert chosen == "given_back" and calls == 0
     assert bool(jnp.all(out == jax.jit(spec.fn)(spec.params, *data)))
     # explain finds the stored decision and says what was measured
-    from jaxfuse.rewrite.api import rewrite_for
-    from jaxfuse.rewrite.patterns import resolve
+    from jaxfuse.fusion.api import rewrite_for
+    from jaxfuse.fusion.match.patterns import resolve
 
     report = rewrite_for(closed, resolve(None), "auto", "cpu", tuner=tuner)[1]
     assert len(report.fused) == calls and report.policy == "auto"
@@ -271,8 +272,8 @@ def test_the_faster_program_is_refused_if_it_holds_more_than_jits(monkeypatch):
     assert bool(jnp.all(out == jax.jit(spec.fn)(spec.params, *data)))
     text = jax.jit(g).lower(spec.params, *data).compile().as_text()
     assert 'custom_call_target="jaxfuse' not in text
-    from jaxfuse.rewrite.api import rewrite_for
-    from jaxfuse.rewrite.patterns import resolve
+    from jaxfuse.fusion.api import rewrite_for
+    from jaxfuse.fusion.match.patterns import resolve
 
     report = rewrite_for(closed, resolve(None), "auto", "cpu", tuner=tuner)[1]
     assert "given back; the faster program (every) would hold more in a call than jax.jit's" \
@@ -281,7 +282,7 @@ def test_the_faster_program_is_refused_if_it_holds_more_than_jits(monkeypatch):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's library fusions")
 def test_the_whole_programs_verdict_is_stored(rng, tmp_path, monkeypatch):
-    from jaxfuse.bench import models as M
+    from jaxfuse_bench import models as M
 
     spec = M.BUILDERS["resnet_block"](M.size_for("resnet_block", "quick"), jnp.float32,
                                       jax.random.PRNGKey(0))

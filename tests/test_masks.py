@@ -1,4 +1,4 @@
-"""Derivative masks (jaxfuse/rewrite/masks.py): every comparison of a ReLU's
+"""Derivative masks (jaxfuse/fusion/patterns/masks.py): every comparison of a ReLU's
 input with 0 that a gradient adds is rewritten from the fused op's output and
 its tie mask, and must give jit's booleans on every special value."""
 

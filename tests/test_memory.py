@@ -32,7 +32,7 @@ def temp_bytes(fun, *args) -> int:
 
 
 def held_bytes(fun, *args) -> int:
-    from jaxfuse.rewrite import memory
+    from jaxfuse.fusion.policy import memory
 
     return memory.held_of(fun.lower(*args).compile())
 
@@ -178,8 +178,8 @@ def test_auto_declines_the_sites_that_raise_temp_and_names_the_bytes(rng):
     """Per-channel operands XLA computes inside its own loop are written out for
     the call; where that raises the program's temp, `auto` declines those sites
     and says by how much, in XLA's own figures (`always` fuses them)."""
-    from jaxfuse.bench import models as M
-    from jaxfuse.rewrite.report import human_bytes
+    from jaxfuse_bench import models as M
+    from jaxfuse.fusion.report.report import human_bytes
 
     spec = M.BUILDERS["resnet_block"](M.size_for("resnet_block", "cpu"), jnp.float32,
                                       jax.random.PRNGKey(0))
@@ -205,7 +205,7 @@ def test_auto_declines_the_sites_that_raise_temp_and_names_the_bytes(rng):
 
 @pytest.mark.measured_isa
 def test_auto_leaves_a_lone_paced_call_to_xla_and_always_holds_its_pacing_value(rng):
-    from jaxfuse._sharding import PACING_TEMP_BYTES
+    from jaxfuse.ops.sharding import PACING_TEMP_BYTES
 
     x, y = (jnp.asarray(rng.standard_normal(1 << 22), jnp.float32) for _ in range(2))
     f = lambda a, b: jax.nn.relu(a + b)  # noqa: E731
@@ -234,7 +234,7 @@ def test_explain_says_where_xla_figures_leave_out_library_fusions(rng):
     """XLA:CPU hands convolutions to YNNPACK as library fusions, whose
     workspace its temp figure does not count; explain says so, and the
     materialized compile (library fusions off) has none."""
-    from jaxfuse.rewrite import memory
+    from jaxfuse.fusion.policy import memory
 
     x = jnp.asarray(rng.standard_normal((4, 16, 16, 8)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((3, 3, 8, 8)), jnp.float32)
@@ -275,11 +275,11 @@ def test_explain_gives_the_bytes_each_fused_call_saves_or_costs(rng):
     assert call.saves == report.memory["jit"]["held"] - report.memory["optimized"]["held"] > 0
     assert call.shape == (128, 512) and call.dtype == "float32"
     assert call.location == (__file__, _one_layer_grad.__code__.co_firstlineno + 7)
-    from jaxfuse.rewrite.report import human_bytes
+    from jaxfuse.fusion.report.report import human_bytes
     assert re.search(rf"test_memory.py:\d+  float32\[128, 512\]  saves {human_bytes(call.saves)}$",
                      str(report), re.M), str(report)
     # One figure per fused call, each the program's own: resnet_block's cost bytes.
-    from jaxfuse.bench import models as M
+    from jaxfuse_bench import models as M
 
     spec = M.BUILDERS["resnet_block"](M.size_for("resnet_block", "quick"), jnp.float32,
                                       jax.random.PRNGKey(0))

@@ -2,7 +2,7 @@
 equinox and dm-haiku layers, trained one step with optax.
 
 Data and weights are random normal (non-dyadic), so every product and sum
-rounds and the contraction rules are exercised (jaxfuse/rewrite/contraction.py);
+rounds and the contraction rules are exercised (jaxfuse/fusion/safety/rounding.py);
 one MLP also runs on dyadic data, where pre-activations hit exact zeros and
 every sum is exact, to test the derivative's tie rules bit for bit.
 

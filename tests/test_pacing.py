@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from jaxfuse import _sharding
-from jaxfuse.rewrite import pacing
+from jaxfuse.ops import sharding as _sharding
+from jaxfuse.fusion.policy import pacing
 from conftest import assert_bitwise_equal, load_bench_script, random_operand
 
 pytest.importorskip("jaxfuse._cpu_kernels", reason="jaxfuse built without its CPU extension")
@@ -90,7 +90,7 @@ def test_a_smaller_call_stays_inline(rng, shape, b_shape):
 def test_a_program_busy_without_it_gets_no_pacing_value(rng):
     """A program whose own ops XLA counts as large runs on XLA's pool anyway:
     its calls take no pacing value, and so hold no temp bytes for one."""
-    from jaxfuse.rewrite import pacing
+    from jaxfuse.fusion.policy import pacing
 
     a = random_operand(rng, (ROWS, 256), np.float32)
     w = random_operand(rng, (256, 1024), np.float32)
@@ -197,7 +197,7 @@ def test_the_handlers_ignore_one_pacing_value_and_refuse_more():
 
 
 def test_the_pacing_loop_script_times_an_inline_and_a_paced_program():
-    # bench/probes/pacing_loop.py refuses to time a case unless its "inline" program is
+    # benchmarks/probes/pacing_loop.py refuses to time a case unless its "inline" program is
     # one XLA:CPU runs inline (flop estimate under 1000) and its "paced" one is not.
     record = load_bench_script("probes/pacing_loop").run_case("float32", 12, "normal", rounds=2)
     assert pacing.CPU_MIN_OUTPUT_BYTES == THRESHOLD  # restored

@@ -1,5 +1,5 @@
 """Patterns are data: registering a user pattern, selecting patterns, and the
-walker's own guards (jaxfuse.rewrite.patterns / walker)."""
+walker's own guards (jaxfuse.fusion.match.patterns / walker)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from jax.extend.core import new_jaxpr_eqn
 
 import jaxfuse
 from rewrite_support import explain_all, fuse
-import jaxfuse.rewrite as R
-from jaxfuse.rewrite import Match, Pattern
+import jaxfuse.fusion as R
+from jaxfuse.fusion import Match, Pattern
 from conftest import assert_bitwise_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore:jaxfuse. no kernel:RuntimeWarning")
@@ -134,7 +134,8 @@ def test_pattern_offered_every_equation_when_roots_is_none():
 
 
 def test_walker_knows_no_operation_by_name():
-    from jaxfuse.rewrite import graph, walker
+    from jaxfuse.fusion.ir import graph
+    from jaxfuse.fusion.match import walker
     for module in (walker, graph):
         src = inspect.getsource(module)
         for word in ("relu", "add_relu", '"max"', '"add"'):

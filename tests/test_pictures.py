@@ -1,4 +1,4 @@
-"""`Report.graph` / `Report.save` and `python -m jaxfuse.explain`: the
+"""`Report.graph` / `Report.save` and `jaxfuse-explain`: the
 dataflow graph before and after the rewrite, with fused sites in one colour,
 declined ones in another and the reason where it arose, nested bodies as
 clusters, far nodes folded by `hops`; written as DOT, SVG, PNG or HTML, and
@@ -6,10 +6,8 @@ a clear error where nothing can draw it."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
-import runpy
 import shutil
 import struct
 import subprocess
@@ -25,9 +23,10 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxfuse
-from jaxfuse.rewrite import api, picture_save, rewrite
-from jaxfuse.rewrite.patterns import registered_patterns
-from jaxfuse.rewrite.picture import COLORS, DECLINED, FUSED
+from jaxfuse.fusion import api, rewrite
+from jaxfuse.fusion.report import save as picture_save
+from jaxfuse.fusion.match.patterns import registered_patterns
+from jaxfuse.fusion.report.picture import COLORS, DECLINED, FUSED
 
 pytestmark = pytest.mark.filterwarnings("ignore:jaxfuse. no kernel:RuntimeWarning")
 
@@ -438,15 +437,16 @@ def test_no_renderer_is_a_clear_error(fused_report, tmp_path, no_graphviz, monke
 
 # ---------------------------------------------------------------------- CLI
 def cli_namespace():
-    """The command line's module, run under another name: importing it as
-    `jaxfuse.explain` is refused (it would shadow the function)."""
-    return runpy.run_module("jaxfuse.explain", run_name="jaxfuse_explain_cli")
+    """The command line's module's names."""
+    from jaxfuse.cli import explain as cli
+
+    return vars(cli)
 
 
 def test_cli_in_a_subprocess(tmp_path):
     out = tmp_path / "report.html"
     done = subprocess.run(
-        [sys.executable, "-m", "jaxfuse.explain", "picture_example:block",
+        [sys.executable, "-m", "jaxfuse.cli.explain", "picture_example:block",
          "--shapes", "x=f32[8,128], w=f32[128,128], b=f32[128]", "--policy", "always",
          "--out", str(out)],
         cwd=TESTS, capture_output=True, text=True, timeout=120)
@@ -463,22 +463,18 @@ def test_cli_in_a_subprocess(tmp_path):
 
 def test_cli_in_process_keeps_jaxfuse_explain_the_function(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI puts the cwd on it, as -m does
+    monkeypatch.chdir(TESTS)
     assert jaxfuse.explain is api.explain
     dot = tmp_path / "g.dot"
-    monkeypatch.setattr(sys, "argv", ["jaxfuse.explain", "picture_example:add_read_twice",
-                                      "--shapes", "x=f32[4,8],y=f32[4,8]", "--out", str(dot),
-                                      "--kind", "before"])
-    with pytest.raises(SystemExit) as done:
-        runpy.run_module("jaxfuse.explain", run_name="__main__")
-    assert done.value.code == 0
+    from jaxfuse.cli import explain as cli
+
+    code = cli.main(["picture_example:add_read_twice", "--shapes", "x=f32[4,8],y=f32[4,8]",
+                     "--out", str(dot), "--kind", "before"])
+    assert code == 0
     assert "the `add` result has 2 uses" in capsys.readouterr().out
     with open(dot) as f:
         assert "cluster_" not in f.read().replace("cluster_legend", "")  # one program, flat
     assert jaxfuse.explain is api.explain and callable(jaxfuse.explain)
-    assert "jaxfuse.explain" not in sys.modules
-    with pytest.raises(ImportError, match="python -m jaxfuse.explain"):
-        importlib.import_module("jaxfuse.explain")
-    assert jaxfuse.explain is api.explain and "jaxfuse.explain" not in sys.modules
     report = jaxfuse.explain(add_relu, X, X, policy="always")
     assert len(report.fused) == 1
 

@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import jaxfuse
-from jaxfuse import _kernels, _lowering
-from jaxfuse._primitive import add_relu_p
+from jaxfuse.ops import kernels as _kernels, lowering as _lowering
+from jaxfuse.ops.primitive import add_relu_p
 
 from conftest import assert_bitwise_equal, random_operand, skip_without_float16
 
@@ -116,8 +115,8 @@ def test_work_split_gets_every_element_right(rng, threads, regions, streaming):
     region per pool thread, more regions than threads (the pool takes some of
     them from the others), and a caller whose helpers are never asked (thread
     cap 1), which must drain every region itself."""
-    from jaxfuse import _kernels
-    from jaxfuse._primitive import epilogue_p, epilogue_reference
+    from jaxfuse.ops import kernels as _kernels
+    from jaxfuse.ops.primitive import epilogue_p, epilogue_reference
 
     if regions == 0 and len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: XLA's pool has one thread and the kernel never splits a call")
@@ -146,7 +145,7 @@ def test_work_split_gets_every_element_right(rng, threads, regions, streaming):
         assert_bitwise_equal(out, want_out)
         np.testing.assert_array_equal(tie, want_tie)
         assert np.asarray(tie).any()
-        # Streaming stores come with the AVX2 path (_isa.py: where XLA may use AVX2).
+        # Streaming stores come with the AVX2 path (jaxfuse/ops/isa.py: where XLA may use AVX2).
         vector = module.settings()["vector_path"] == "avx2"
         assert module.last_store()["streamed"] == (streaming == 1 and vector)
         # The calls above really were split the way this case asks.
@@ -172,7 +171,7 @@ def test_a_helper_is_asked_only_for_enough_elements(rng, dtype, per_worker):
     ``per_worker`` elements: two chunks for the memory-bound 4- and 8-byte
     loops, one for the 2-byte ones (csrc/epilogue_cpu.cc, kMinChunkWide /
     kMinChunkNarrow); either way the values are XLA's."""
-    from jaxfuse import _kernels
+    from jaxfuse.ops import kernels as _kernels
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: XLA's pool has one thread and the kernel never splits a call")
@@ -197,7 +196,7 @@ def test_reuse_distance_counts_bytes_since_the_output_was_written():
     on the patterns XLA's allocator produces: the same buffer every call, two
     buffers in turn, a block carved from part of an old one, and ranges it no
     longer remembers."""
-    from jaxfuse import _kernels
+    from jaxfuse.ops import kernels as _kernels
 
     distances = _kernels._modules["cpu"].reuse_distances_for_tests
     a, b, c = 1 << 32, (1 << 32) + 64 * MIB, (1 << 32) + 128 * MIB
@@ -224,7 +223,7 @@ def test_reuse_distance_counts_bytes_since_the_output_was_written():
 
 @pytest.mark.skipif(not _kernels.test_hooks(), reason=NEEDS_HOOKS)
 def test_auto_streams_only_outputs_written_well_over_a_cache_ago():
-    from jaxfuse import _kernels
+    from jaxfuse.ops import kernels as _kernels
 
     should_stream = _kernels._modules["cpu"].should_stream
     cache = 32 * MIB
@@ -241,7 +240,7 @@ def test_auto_streams_only_outputs_written_well_over_a_cache_ago():
 def test_auto_finds_pages_not_yet_faulted_in():
     """auto never streams into memory fresh from the operating system: the
     first touch zeroes each page through the cache, so plain stores find it."""
-    from jaxfuse import _kernels
+    from jaxfuse.ops import kernels as _kernels
 
     fresh = _kernels._modules["cpu"].fresh_pages_for_tests
     # An anonymous mapping of its own: np.empty may be served from heap memory
@@ -310,7 +309,8 @@ def test_python_scalar_operand_takes_array_dtype(rng):
 
 # ------------------------------------------------------------------ abstract eval
 def test_abstract_eval_keeps_shape_dtype_and_weak_type():
-    f = lambda x, y: add_relu_p.bind(x, y, grad_at_zero=0.0)
+    def f(x, y):
+        return add_relu_p.bind(x, y, grad_at_zero=0.0)
     out = jax.eval_shape(f, jax.ShapeDtypeStruct((4, 1), jnp.bfloat16), jax.ShapeDtypeStruct((1, 5), jnp.bfloat16))
     assert out.shape == (4, 5) and out.dtype == jnp.bfloat16
     weak = jax.make_jaxpr(f)(1.0, 2.0).jaxpr.outvars[0].aval
@@ -336,8 +336,10 @@ def _tie_inputs(rng, shape):
 def test_grad_matches_both_tie_conventions(rng, grad_at_zero, reference_fn):
     a, b = _tie_inputs(rng, (6, 7))
     w = random_operand(rng, (6, 7), np.float32, specials=False)
-    fused = lambda a, b: jnp.sum(w * jaxfuse.add_relu(a, b, grad_at_zero=grad_at_zero))
-    plain = lambda a, b: jnp.sum(w * reference_fn(a, b))
+    def fused(a, b):
+        return jnp.sum(w * jaxfuse.add_relu(a, b, grad_at_zero=grad_at_zero))
+    def plain(a, b):
+        return jnp.sum(w * reference_fn(a, b))
     got = jax.jit(jax.grad(fused, (0, 1)))(a, b)
     want = jax.jit(jax.grad(plain, (0, 1)))(a, b)
     for g, r in zip(got, want):
@@ -353,8 +355,10 @@ def test_grad_through_bias_broadcast_and_specials(rng, grad_at_zero):
     x = random_operand(rng, (16, 9), np.float32)
     bias = random_operand(rng, (9,), np.float32)
     spelled = jax.nn.relu if grad_at_zero == 0.0 else (lambda y: jnp.maximum(y, 0))
-    fused = lambda x, b: jnp.sum(jaxfuse.add_relu(x, b, grad_at_zero=grad_at_zero) ** 2)
-    plain = lambda x, b: jnp.sum(spelled(x + b) ** 2)
+    def fused(x, b):
+        return jnp.sum(jaxfuse.add_relu(x, b, grad_at_zero=grad_at_zero) ** 2)
+    def plain(x, b):
+        return jnp.sum(spelled(x + b) ** 2)
     got = jax.jit(jax.grad(fused, (0, 1)))(x, bias)
     want = jax.jit(jax.grad(plain, (0, 1)))(x, bias)
     for g, r in zip(got, want):
@@ -407,8 +411,10 @@ def test_vmap(rng, in_axes, a_shape, b_shape):
 
 def test_vmap_of_grad_and_nested_vmap(rng):
     a, b = _tie_inputs(rng, (4, 6))
-    f = lambda a, b: jnp.sum(jaxfuse.add_relu(a, b, grad_at_zero=0.5) * a)
-    g = lambda a, b: jnp.sum(jnp.maximum(a + b, 0) * a)
+    def f(a, b):
+        return jnp.sum(jaxfuse.add_relu(a, b, grad_at_zero=0.5) * a)
+    def g(a, b):
+        return jnp.sum(jnp.maximum(a + b, 0) * a)
     assert_bitwise_equal(jax.vmap(jax.grad(f))(a, b), jax.vmap(jax.grad(g))(a, b))
     nested = jax.vmap(jax.vmap(jaxfuse.add_relu, in_axes=(0, None)), in_axes=(None, 0))
     assert_bitwise_equal(nested(a[0], b), jax.vmap(jax.vmap(lambda x, y: jnp.maximum(x + y, 0), (0, None)), (None, 0))(a[0], b))
@@ -418,7 +424,7 @@ def test_vmap_of_grad_and_nested_vmap(rng):
 def test_cpu_kernel_is_built_and_registered():
     k = jaxfuse.kernels()
     assert set(k) == {"cpu", "cuda"}
-    assert k["cpu"] is True, f"the CPU kernel must be built here: {jaxfuse._kernels.why_not('cpu')}"
+    assert k["cpu"] is True, f"the CPU kernel must be built here: {jaxfuse.ops.kernels.why_not('cpu')}"
 
 
 def test_lowered_module_holds_our_custom_call(rng):
@@ -444,7 +450,7 @@ def test_disabled_kernels_lower_to_xla_and_stay_quiet(rng):
 
 def test_missing_kernel_warns_once_at_the_users_line(rng, monkeypatch):
     a, b = random_operand(rng, (33, 5), np.float32), random_operand(rng, (1, 5), np.float32)
-    monkeypatch.setattr(jaxfuse._kernels, "why_not", lambda p: "not built (test)")
+    monkeypatch.setattr(jaxfuse.ops.kernels, "why_not", lambda p: "not built (test)")
     monkeypatch.setattr(_lowering, "_warned", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -453,7 +459,7 @@ def test_missing_kernel_warns_once_at_the_users_line(rng, monkeypatch):
     assert "custom_call" not in text and "stablehlo.maximum" in text
     hits = [w for w in caught if "jaxfuse: no kernel for cpu (not built (test))" in str(w.message)]
     assert len(hits) == 1, [str(w.message) for w in caught]
-    line = next(i + 1 for i, l in enumerate(open(__file__).read().splitlines()) if l.endswith("# <site>"))
+    line = next(i + 1 for i, text in enumerate(open(__file__).read().splitlines()) if text.endswith("# <site>"))
     assert (hits[0].filename, hits[0].lineno) == (__file__, line)
 
 

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxfuse
-from jaxfuse import tuning
-from jaxfuse.rewrite import cost, probe
+from jaxfuse.fusion.tuning import autotuner as tuning
+from jaxfuse.fusion.policy import cost, probe
 
 pytestmark = [pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's library fusions"),
               pytest.mark.measured_isa]  # auto's CPU decisions (conftest.py)
@@ -128,8 +128,8 @@ def test_auto_times_the_sites_xla_takes_and_remembers(winner):
     assert set(tuner.log[0][2]) == {"given_back"}  # the other was not even timed
     assert bool(jnp.all(g(*args) == jax.jit(f)(*args)))
     # explain finds the stored decision (it never times), and says it was measured
-    from jaxfuse.rewrite.api import rewrite_for
-    from jaxfuse.rewrite.patterns import resolve
+    from jaxfuse.fusion.api import rewrite_for
+    from jaxfuse.fusion.match.patterns import resolve
 
     closed = jax.make_jaxpr(f)(*args)
     _, report = rewrite_for(closed, resolve(None), "auto", "cpu", tuner=tuner)
@@ -140,8 +140,8 @@ def test_auto_times_the_sites_xla_takes_and_remembers(winner):
 def test_the_probe_compiles_a_program_once(monkeypatch):
     """Which sites XLA takes into a library fusion is stored with the tuner's
     decisions: a program's later first calls skip the probe's compile."""
-    from jaxfuse.rewrite.api import rewrite_for
-    from jaxfuse.rewrite.patterns import resolve
+    from jaxfuse.fusion.api import rewrite_for
+    from jaxfuse.fusion.match.patterns import resolve
 
     f, args = _chain(True), _chain_args()
     closed = jax.make_jaxpr(f)(*args)
@@ -161,8 +161,8 @@ def test_the_probe_compiles_a_program_once(monkeypatch):
 
 
 def test_a_program_whose_sites_all_go_back_is_jits_own():
-    from jaxfuse.rewrite.api import rewrite_for
-    from jaxfuse.rewrite.patterns import resolve
+    from jaxfuse.fusion.api import rewrite_for
+    from jaxfuse.fusion.match.patterns import resolve
 
     f, args = _chain(True), _chain_args()
     closed = jax.make_jaxpr(f)(*args)

@@ -1,6 +1,6 @@
 """`policy="auto"` fuses the BatchNorm epilogues of a ResNet-50 nobody here
 wrote (dm-haiku's `hk.nets.ResNet50`, inference mode, on running statistics)
-on CPU, through the cost model's conv-fed bands (jaxfuse/rewrite/cost.py):
+on CPU, through the cost model's conv-fed bands (jaxfuse/fusion/policy/cost.py):
 the per-dtype threshold declined all 49 for their size, where `always` was
 measured at 0.84-0.92x jit's time. Those XLA fuses with their neighbours
 (the last blocks, into the classifier's YNNPACK fusion; probe.py) go back to
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from jaxfuse.rewrite import cost
+from jaxfuse.fusion.policy import cost
 
 hk = pytest.importorskip("haiku", reason="needs the `models` extra (dm-haiku)")
 pytestmark = [pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU cost model"),
@@ -57,7 +57,7 @@ def test_resnet50_batchnorm_epilogues_fuse_under_auto_on_cpu(batch, image):
 def test_resnet50_sites_given_back_keep_xlas_library_fusions():
     import tempfile
 
-    from jaxfuse import tuning
+    from jaxfuse.fusion.tuning import autotuner as tuning
 
     f, params, state, x = _resnet50(4, 96)
     count = lambda g: len(re.findall(r"fusion\(.*kind=kCustom",  # noqa: E731
@@ -72,7 +72,7 @@ def test_resnet50_keeps_the_sites_xla_takes_when_they_time_faster():
     # classifier measured 0.87x jit's time on CPU; a timer that says so keeps them.
     import tempfile
 
-    from jaxfuse import tuning
+    from jaxfuse.fusion.tuning import autotuner as tuning
 
     f, params, state, x = _resnet50(4, 96)
     prefer_kept = tuning.Autotuner(rounds=1, timer=lambda name, run: 1.0 if name == "kept" else 2.0,

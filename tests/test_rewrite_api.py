@@ -1,5 +1,5 @@
 """`jaxfuse.optimize`: calling convention, jit caching, composition with
-transformations, idempotence (jaxfuse.rewrite.api)."""
+transformations, idempotence (jaxfuse.fusion.api)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-import jaxfuse.rewrite.api as api
+import jaxfuse.fusion.api as api
 from conftest import assert_bitwise_equal, random_operand
 from rewrite_support import assert_trees, assert_values, fused_count, kernel_active, explain_all, fuse
 
@@ -53,7 +53,7 @@ def test_decorator_forms(ab):
 
     ref = jax.jit(model)(*ab)
     # f2 has add_relu only: `h * a + b` is a product XLA contracts into the add, so
-    # add_relu declines it (jaxfuse/rewrite/contraction.py).
+    # add_relu declines it (jaxfuse/fusion/safety/rounding.py).
     for f, n in ((f1, 3), (f2, 2), (f3, 0)):
         assert_values(f(*ab), ref)
         assert fused_count(jax.make_jaxpr(f)(*ab)) == n

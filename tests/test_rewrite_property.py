@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import jaxfuse
-from jaxfuse import _numerics
+from jaxfuse.ops import numerics as _numerics
 from conftest import random_operand, xla_compiles_float16
 from rewrite_support import assert_trees, fused_count, kernel_active, explain_all, fuse
 
@@ -101,7 +100,7 @@ def eligible_sites(steps, outputs, dtype):
 
 def product_meets_add(steps) -> bool:
     """Whether an add reads a mul: the contraction rules decide such sites
-    (jaxfuse/rewrite/contraction.py; pinned against XLA by tests/test_contraction.py),
+    (jaxfuse/fusion/safety/rounding.py; pinned against XLA by tests/test_contraction.py),
     so the independent count above does not apply to them."""
     n_in = len(INPUT_SHAPES)
     made_by_mul = {n_in + k for k, (op, _, _) in enumerate(steps) if op == "mul"}

@@ -1,5 +1,5 @@
 """`jaxfuse.rule(pattern, replacement)`: rewrite rules written as plain JAX
-functions (jaxfuse/rewrite/rules.py), on hand-written programs and on layers
+functions (jaxfuse/fusion/match/rule_engine.py), on hand-written programs and on layers
 from flax and dm-haiku."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from jaxfuse.rewrite.subjaxprs import all_eqns
+from jaxfuse.fusion.ir.subjaxprs import all_eqns
 
 from conftest import assert_bitwise_equal
 from rewrite_support import assert_close
@@ -248,7 +248,7 @@ def test_a_rule_applies_under_every_policy_and_registers(rng):
         assert calls_of(jaxfuse.optimize(f), x, name="tanh2") == 1
         assert any(s.pattern == "tanh2" and s.fused for s in jaxfuse.explain(f, x))
     finally:
-        from jaxfuse.rewrite import unregister_pattern
+        from jaxfuse.fusion import unregister_pattern
         unregister_pattern("tanh2")
 
 
@@ -487,7 +487,7 @@ def test_a_rule_needs_only_what_every_match_holds(rng):
 
 
 def test_constants_fold_only_where_the_host_computes_xlas_value():
-    from jaxfuse.rewrite.graph import Graph
+    from jaxfuse.fusion.ir.graph import Graph
 
     def f(x, i):
         scale = jnp.sqrt(jnp.float32(16.0)).astype(jnp.float32) * 2  # 8.0, exactly

@@ -87,7 +87,8 @@ def test_gradient_is_partitioned_too(rng):
     m = mesh((8,), ("x",))
     x = put(random_operand(rng, (16, 32), np.float32), m, P("x", None))
     b = put(random_operand(rng, (16, 32), np.float32), m, P("x", None))
-    loss = lambda x, b: jnp.sum(jax.nn.relu(x + b) * x)
+    def loss(x, b):
+        return jnp.sum(jax.nn.relu(x + b) * x)
     g = jax.jit(jax.grad(fuse(loss)))
     assert_bitwise_equal(g(x, b), jax.jit(jax.grad(loss))(x, b))
     hlo = g.lower(x, b).compile().as_text()
@@ -102,7 +103,8 @@ def test_gradient_wrt_a_broadcast_bias(rng, bs, bspec, spelled):
     m = mesh((8,), ("x",))
     x = put(random_operand(rng, (16, 32), np.float32, specials=False), m, P(None, "x"))
     b = put(random_operand(rng, bs, np.float32, specials=False), m, bspec)
-    loss = lambda x, b: jnp.sum(spelled(x + b) * x)
+    def loss(x, b):
+        return jnp.sum(spelled(x + b) * x)
     g = jax.jit(jax.grad(fuse(loss), argnums=(0, 1)))
     got, want = g(x, b), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, b)
     for u, v in zip(got, want):

@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from jaxfuse import _compat as C, _isa, tuning
+from jaxfuse import _compat as C
+from jaxfuse.fusion.tuning import autotuner as tuning
+from jaxfuse.ops import isa as _isa
 
 from conftest import assert_bitwise_equal, random_operand
 from rewrite_support import fused_count
@@ -72,7 +74,7 @@ def test_a_candidate_holding_more_memory_is_never_chosen(tmp_path, args):
 def test_the_held_bytes_of_a_timed_candidate_are_remembered_for_the_memory_check(tmp_path, args):
     """The memory check compiles the program `auto` chose, often a candidate
     the tuner compiled already: its figure is taken, not compiled again."""
-    from jaxfuse.rewrite import memory
+    from jaxfuse.fusion.policy import memory
 
     closed = jax.make_jaxpr(program)(*args)
     fused = jaxfuse.explain(program, *args, policy="always").jaxpr

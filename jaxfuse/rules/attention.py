@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat as C
-from ..rewrite.rules import rule
-from ..rewrite.target import target_platform
+from ..fusion.match.rule_engine import rule
+from ..fusion.target import target_platform
 
 _B, _T, _N, _H = 2, 8, 4, 16  # example shapes the spellings are first traced at
 
@@ -122,7 +122,7 @@ def _not_float16(q, k, v, *rest):
 
 # ------------------------------------------------------------------ spellings
 # Written once each, as the layers compute them; the matcher's canonical forms
-# (jaxfuse.rewrite.canonical) absorb the rest: transposes and operand order
+# (jaxfuse.fusion.ir.canonical) absorb the rest: transposes and operand order
 # around the two contractions, vmapped heads, `/ c` against `* (1 / c)`, a
 # scale computed from constants or written as a literal.
 def _logits(q, k, scale_queries: bool):

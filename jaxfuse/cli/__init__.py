@@ -1,0 +1,1 @@
+"""Command lines: `python -m jaxfuse.cli.explain` (also the `jaxfuse-explain` script)."""

@@ -1,0 +1,407 @@
+"""`optimize` and `explain`: trace, rewrite, and (for optimize) evaluate.
+
+`optimize` returns a `jax.jit` of a function that traces the user's function
+to a jaxpr, rewrites it and binds the result into jit's own trace. Tracing and
+rewriting therefore happen exactly when jit traces, so jit's cache (and its
+C++ dispatch path) is the cache: a hit re-traces and re-rewrites nothing. The
+traced function is kept per user function and options (weakly), so even
+`jaxfuse.optimize(g)(x)` written inline traces `g` once per signature.
+Composition with grad/vmap/jit/checkpoint comes from the fused primitives'
+own rules, since what jit sees is an ordinary jaxpr.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+import jax
+
+from .. import _compat as C
+from .policy import cost as _cost
+from .policy import memory as _memory
+from .policy import pacing
+from .policy import probe as _probe
+from .tuning import autotuner as tuning
+from .match.patterns import resolve
+from .report.report import Report
+from .target import device_platform, targeting, trace_platform
+from .match.walker import rewrite
+
+_INFO = "_jaxfuse_optimized"
+
+
+class _Optimized(NamedTuple):
+    wrapper: Callable   # the jitted function this record belongs to
+    fun: Callable       # held strongly here: the traced function holds it weakly
+    patterns: tuple
+    static: tuple
+    policy: str
+    autotuner: object
+
+
+def _info(fun) -> _Optimized | None:
+    # functools.wraps copies attributes onto wrappers of an optimized function;
+    # the record only counts on the very object it was made for.
+    info = getattr(fun, _INFO, None)
+    return info if info is not None and info.wrapper is fun else None
+
+
+def _check_policy(policy: str) -> str:
+    if policy not in _cost.POLICIES:
+        raise ValueError(f"jaxfuse: policy must be one of {', '.join(map(repr, _cost.POLICIES))}, "
+                         f"got {policy!r}")
+    return policy
+
+
+def _check_callable(fun) -> None:
+    # As jax.jit does: a bad argument is reported where it is given, not at the first call.
+    if not callable(fun):
+        raise TypeError(f"jaxfuse: expected a callable value, got {fun!r}")
+
+
+def optimize(fun: Callable | None = None, *, policy: str = "auto", patterns=None,
+             autotuner=None, **jit_kwargs):
+    """Rewrites `fun`'s fusion sites and jit-compiles the result.
+
+    Usable as `@optimize` or `@optimize(policy=..., static_argnums=...)`.
+
+    `policy`:
+      * "auto" (default): fuse a site only where the cost model says the custom
+        call cannot lose to XLA's own fusion on the platform being compiled for
+        (jaxfuse/fusion/policy/cost.py; `explain` gives every decline's reason). Where
+        XLA:CPU would put a conv-fed epilogue into one of its library fusions,
+        the programs with and without those sites are timed once per program
+        and device and the decision stored (jaxfuse/fusion/policy/probe.py; the
+        `autotuner`, default `jaxfuse.tuning.SETTLING`, times them);
+      * "always": every safe site (for tests and benchmarks);
+      * "measure": time the candidate programs on the device the first time a
+        signature is traced and keep the fastest, remembered on disk
+        (`jaxfuse.tuning`); `autotuner` overrides its settings (default
+        `jaxfuse.tuning.DEFAULT`).
+    `patterns`: names or `Pattern`s; None means every pattern registered when
+    `optimize` is called. Other keyword arguments go to `jax.jit`
+    (`static_argnums`, `static_argnames`, `donate_argnums`, ...).
+    """
+    if fun is None:
+        return functools.partial(optimize, policy=policy, patterns=patterns,
+                                 autotuner=autotuner, **jit_kwargs)
+    _check_callable(fun)
+    _check_policy(policy)
+    pats = resolve(patterns)
+    info = _info(fun)
+    if (info is not None and (info.patterns, info.policy, info.autotuner) == (pats, policy, autotuner)
+            and not jit_kwargs):
+        return fun  # already optimized with these options: nothing more to do
+    traced = _traced_for(fun, pats, policy, autotuner)
+    jitted = jax.jit(traced, **jit_kwargs)
+    try:
+        setattr(jitted, _INFO, _Optimized(jitted, fun, pats, _static_spec(jit_kwargs), policy,
+                                          autotuner))
+    except AttributeError:  # pragma: no cover - a jit wrapper that refuses attributes
+        pass
+    return jitted
+
+
+# ------------------------------------------------------------- the traced fn
+class _Traced:
+    """What jax.jit traces: the user's function to a jaxpr, rewritten, bound.
+
+    Holds the user's function weakly when it can (the jitted wrapper holds it
+    strongly), so a cache of these keyed by that function never keeps it alive.
+    """
+
+    def __init__(self, fun, patterns, policy, autotuner):
+        self._fun = _weak(fun)
+        self.patterns, self.policy, self.autotuner = patterns, policy, autotuner
+        for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+            try:
+                setattr(self, attr, getattr(fun, attr))
+            except AttributeError:
+                pass
+        try:  # jit resolves static_argnames against this
+            self.__signature__ = inspect.signature(fun)
+        except (TypeError, ValueError):
+            pass
+
+    def __repr__(self):
+        # jit's messages and repr name the function they wrap: the user's one.
+        fun = self._fun()
+        return repr(fun) if fun is not None else object.__repr__(self)
+
+    @property
+    def __wrapped__(self):
+        # jit's debug info (function name, file:line) follows this to the user's function.
+        fun = self._fun()
+        if fun is None:
+            raise AttributeError("__wrapped__")
+        return fun
+
+    def __call__(self, *args, **kwargs):
+        fun = self._fun()
+        if jax.config.jax_disable_jit:
+            return fun(*args, **kwargs)  # jit runs eagerly: so does the user's code
+        # Called by jit with tracers for every leaf of a dynamic argument and
+        # the concrete (hashable) value of a static one. The user's function
+        # itself is traced, with the same arguments marked static, so jax's
+        # errors name it, its file:line and its arguments as jit's do. Static
+        # keyword arguments are bound (make_jaxpr has no static_argnames); the
+        # partial is new each time, so jax's trace cache, keyed by function,
+        # never answers for the trace jit asked for.
+        nums = tuple(i for i, a in enumerate(args) if not _all_tracers(a))
+        static_kw = {k: v for k, v in kwargs.items() if not _all_tracers(v)}
+        dyn_kw = {k: v for k, v in kwargs.items() if k not in static_kw}
+        trace = jax.make_jaxpr(functools.partial(fun, **static_kw), static_argnums=nums,
+                               return_shape=True)
+        closed, out_shape = trace(*args, **dyn_kw)
+        # The jaxpr's inputs: the leaves of (dynamic positional, dynamic keyword)
+        # arguments, flattened as jit flattens them (keywords sorted by name).
+        dynamic = jax.tree_util.tree_leaves(
+            (tuple(a for i, a in enumerate(args) if i not in nums), dyn_kw))
+        new = self.rewritten(closed)
+        out = C.inline_closed(new, *dynamic)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
+
+    def rewritten(self, closed):
+        platform = trace_platform()
+        if self.policy == "measure":
+            return measured_choice(closed, self.patterns, self.autotuner, platform)
+        return rewrite_for(closed, self.patterns, self.policy, platform,
+                           tuner=self.autotuner, time_it=True)[0]
+
+
+def _all_tracers(arg) -> bool:
+    return all(C.is_tracer_leaf(x) for x in jax.tree_util.tree_leaves(arg))
+
+
+def _cost_model(policy: str, platform: str | None = None):
+    return _cost.CostModel(platform) if policy == "auto" else None
+
+
+def rewrite_for(closed, patterns, policy: str, platform: str | None, origin=None, *,
+                tuner=None, time_it=False):
+    """The rewrite under `policy` for `platform`, with the conv-band sites XLA
+    fuses with their neighbours settled (probe.py: timed when `time_it`):
+    (jaxpr, report)."""
+    model = _cost_model(policy, platform)
+    here = model is not None and platform == trace_platform()
+    with targeting(platform or trace_platform()):
+        new, report = rewrite(closed, patterns, origin, cost=model)
+        if here:
+            new, report = _probe.settle(
+                closed, new, report, model,
+                lambda give_back: rewrite(closed, patterns, origin,
+                                          cost=_cost.CostModel(platform, give_back)),
+                patterns=patterns, tuner=tuner, time_it=time_it,
+                rewrite_all=lambda: rewrite(closed, patterns, origin))
+        new = pacing.settle(new)
+        if here:
+            given_back = _probe.given_back(report)
+            new, report = _memory.settle(
+                closed, new, report, platform,
+                lambda keys, reason: rewrite(closed, patterns, origin, cost=_cost.CostModel(
+                    platform, given_back, lean=(keys, reason))),
+                patterns=patterns, tuner=tuner)
+    report.jaxpr = new
+    return new, report
+
+
+def measured_choice(closed, patterns, autotuner=None, platform: str | None = None):
+    """`policy="measure"`: the fastest of jax's program `closed`, the cost
+    model's rewrite for `platform` and every safe site fused, timed by
+    `autotuner` (`tuning.DEFAULT`); the cost model's where they cannot be timed."""
+    tuner = autotuner or tuning.DEFAULT
+    auto = rewrite_for(closed, patterns, "auto", platform)[0]
+    why = tuning.untimeable(closed)
+    if why is not None:
+        tuner.skipped.append(why)
+        return auto
+    candidates = {"xla": closed, "auto": auto,
+                  "always": pacing.settle(rewrite(closed, patterns)[0])}
+    return candidates[tuning.choose_among(closed, candidates, patterns, tuner, default="auto",
+                                          baseline="xla", check_memory=_memory.CHECKING)[0]]
+
+
+def _weak(fun):
+    try:
+        return weakref.WeakMethod(fun) if inspect.ismethod(fun) else weakref.ref(fun)
+    except TypeError:  # e.g. a method of an object with __slots__ and no __weakref__
+        return lambda: fun
+
+
+_TRACED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _traced_for(fun, patterns, policy, autotuner) -> _Traced:
+    key = (patterns, policy, id(autotuner))
+    try:
+        per_fun = _TRACED.setdefault(fun, {})
+    except TypeError:  # unhashable or not weakly referenceable: no cache
+        return _Traced(fun, patterns, policy, autotuner)
+    traced = per_fun.get(key)
+    # The cache finds functions by equality, as jit does; an entry made for an
+    # equal but distinct callable holds that one (weakly), not `fun`.
+    if traced is None or traced.autotuner is not autotuner or not _same(traced._fun(), fun):
+        traced = per_fun[key] = _Traced(fun, patterns, policy, autotuner)
+    return traced
+
+
+def _same(held, fun) -> bool:
+    """`held` is `fun` itself (bound methods: the same function of the same object)."""
+    if held is fun:
+        return True
+    return (inspect.ismethod(fun) and inspect.ismethod(held)
+            and held.__func__ is fun.__func__ and held.__self__ is fun.__self__)
+
+
+# ------------------------------------------------------------------ explain
+def explain(fun: Callable, *args, policy: str | None = None, platform: str | None = None,
+            memory: bool | str = False, **kwargs) -> Report:
+    """Which sites of `fun(*args, **kwargs)` `optimize` fuses, and why not the rest.
+
+    Arguments may be arrays, Python scalars or `jax.ShapeDtypeStruct`s; other
+    leaves (strings, ...) and the static arguments of an optimized function are
+    treated as static. Given an optimized function, explains the function it
+    wraps with its patterns and policy; given a `jax.jit`-wrapped function, the
+    function it wraps, with that jit's static arguments. `policy` overrides it
+    ("auto" for a plain function); `platform` ("cpu", "cuda", "rocm", "tpu", or
+    "gpu" for the GPU platform jax lowers for) is the one the cost decisions
+    are made for (default: the arguments' devices, else the default backend,
+    as jit does). `memory=True` also compiles the program as traced and as
+    rewritten, for the default device, and reports the bytes XLA says each
+    holds (`report.memory`; a line of the printed report), with, on CPU, the
+    largest library fusion's estimated workspace and what a call holds in all
+    (`"held"`, what `auto` compares). `memory="calls"`
+    also gives, per fused call, the bytes it saves or costs in a call
+    (`report.memory["calls"]`, `memory.CallBytes`): the program compiled with
+    that call given back to XLA's ops, against as it is (one compile per call).
+    """
+    if memory not in (False, True, "calls"):
+        raise ValueError(f"jaxfuse.explain: memory must be False, True or 'calls', got {memory!r}")
+    _check_callable(fun)
+    info = _info(fun)
+    if info is None:
+        pats, static, default_policy = resolve(None), None, "auto"
+    else:
+        fun, pats, static, default_policy = info.fun, info.patterns, info.static, info.policy
+    policy = _check_policy(policy or default_policy)
+    if policy == "measure":
+        policy = "auto"  # explain reports what the cost model says; tuning may still override
+    platform = _check_platform(platform) if platform is not None else _platform_of(args, kwargs)
+    if info is None and _is_jitted(fun):
+        # jit resolves its own static arguments; its body is the function's jaxpr.
+        closed = fun.trace(*args, **kwargs).jaxpr
+    else:
+        args, kwargs = _mark_static(fun, args, kwargs, static)
+        flat_fun, dynamic = _split_dynamic(fun, args, kwargs, _is_dynamic_leaf)
+        closed = jax.make_jaxpr(flat_fun)(*dynamic)
+    _, report = rewrite_for(closed, pats, policy, platform, C.definition_site(fun))
+    report.platform = platform
+    report.traced = closed  # for report.graph("before")
+    if memory:
+        report.memory = {"jit": _memory.compiled_memory(closed),
+                         "optimized": _memory.compiled_memory(report.jaxpr)}
+        if memory == "calls":
+            report.memory["calls"] = _memory.per_call(report.jaxpr)
+    return report
+
+
+def _is_jitted(fun) -> bool:
+    """A `jax.jit`-wrapped function (its AOT API: `.trace` and `.lower`)."""
+    return callable(getattr(fun, "trace", None)) and callable(getattr(fun, "lower", None))
+
+
+PLATFORM_NAMES = ("cpu", "cuda", "rocm", "tpu", "gpu")
+
+
+def _check_platform(platform) -> str:
+    """A platform name as lowering rules name it; "gpu" is the GPU platform
+    jax lowers for (rocm when its GPU backend is ROCm, else cuda)."""
+    if platform not in PLATFORM_NAMES:
+        raise ValueError(f"jaxfuse: platform must be one of {', '.join(map(repr, PLATFORM_NAMES))}, "
+                         f"got {platform!r}")
+    if platform != "gpu":
+        return platform
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend here
+        return "cuda"
+    return device_platform(devices[0]) if devices else "cuda"
+
+
+def _platform_of(args, kwargs) -> str:
+    """The platform jit would compile for: the arguments' devices, else the
+    default backend (named as lowering rules name it: cpu, cuda, rocm, tpu)."""
+    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+        if isinstance(leaf, jax.Array) and not C.is_tracer_leaf(leaf):
+            if leaf.is_deleted():
+                continue  # a donated or deleted array has no devices: keep looking
+            return device_platform(next(iter(leaf.devices())))
+    return trace_platform()
+
+
+# ----------------------------------------------------------------- arguments
+class _Static:
+    """Marks a leaf as static for `explain`."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _is_dynamic_leaf(x) -> bool:
+    if isinstance(x, _Static):
+        return False
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct,
+                          int, float, complex, bool)) or C.is_tracer_leaf(x)
+
+
+def _split_dynamic(fun, args, kwargs, is_dynamic):
+    """A function of the dynamic leaves only, and those leaves."""
+    flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+    where = [i for i, x in enumerate(flat) if is_dynamic(x)]
+    flat = [x.value if isinstance(x, _Static) else x for x in flat]
+
+    def flat_fun(*dynamic):
+        leaves = list(flat)
+        for i, x in zip(where, dynamic):
+            leaves[i] = x
+        a, k = jax.tree_util.tree_unflatten(tree, leaves)
+        return fun(*a, **k)
+
+    return flat_fun, [flat[i] for i in where]
+
+
+def _static_spec(jit_kwargs):
+    nums = jit_kwargs.get("static_argnums", ())
+    names = jit_kwargs.get("static_argnames", ())
+    nums = (nums,) if isinstance(nums, int) else tuple(nums or ())
+    names = (names,) if isinstance(names, str) else tuple(names or ())
+    return nums, names
+
+
+def _mark_static(fun, args, kwargs, static):
+    """Marks the arguments jit treats as static, the way jit resolves them:
+    argnums against the positional arguments of this call (negative ones from
+    the end), and each argnum and argname also by its name/position in the
+    signature, so a static argument passed by keyword (or left to its default,
+    when it is simply absent) is handled as jit handles it."""
+    if not static or not any(static):
+        return args, kwargs
+    nums, names = static
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p.name for p in params
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    nums = {n if n >= 0 else n + len(args) for n in nums}
+    names = set(names) | {positional[n] for n in nums if 0 <= n < len(positional)}
+    nums |= {positional.index(n) for n in names if n in positional}
+    args = tuple(_Static(a) if i in nums else a for i, a in enumerate(args))
+    kwargs = {k: _Static(v) if k in names else v for k, v in kwargs.items()}
+    return args, kwargs
