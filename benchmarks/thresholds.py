@@ -266,10 +266,10 @@ def thresholds_of(sweep: dict) -> dict:
 
 
 def platform_entries(found: dict) -> tuple[dict, dict]:
-    """The cost model's entries (cost.PlatformFacts) for these thresholds:
+    """The cost model's entries (facts.PlatformFacts) for these thresholds:
     `min_elements` per served dtype is the largest measured form's threshold
     (None if any form never wins, or the dtype was not measured: then
-    `cost.platform_reason` declines it), and `form_min_elements` keeps a
+    `facts.platform_reason` declines it), and `form_min_elements` keeps a
     form's own threshold where it is smaller or the dtype's is None (a form's
     own entry is what the cost model reads first)."""
     dtypes = sorted(set(SERVED) | {d for _, d in found})

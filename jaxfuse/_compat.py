@@ -37,9 +37,6 @@ JIT_NAMES = frozenset({"jit", "pjit"})
 CHECKPOINT_NAMES = frozenset({"remat2", "checkpoint", "remat"})
 
 _PACKAGE_DIR = os.path.normcase(os.path.dirname(os.path.abspath(__file__)) + os.sep)
-# The benchmark's models are user code to the pass: their lines are what
-# explain names, though they ship inside the package.
-_BENCH_DIR = os.path.join(_PACKAGE_DIR, "bench") + os.sep
 # Installed packages (flax, haiku, equinox layers): a site in a library's layer
 # is reported at the line of the user's code that called it, where there is one.
 # Longest first, so a nested one is the root a path is taken relative to.
@@ -252,8 +249,7 @@ def function_origin(fun) -> tuple[str, str] | None:
 def user_frame(source_info) -> tuple[str, int] | None:
     """(file, line) of the innermost frame in the user's own code, if any.
 
-    Frames inside jax, the stdlib and jaxfuse's own modules are skipped (the
-    benchmark's models count as user code), and one in the user's code is
+    Frames inside jax, the stdlib and jaxfuse's own modules are skipped, and one in the user's code is
     preferred to one inside an installed package (the user's call of a flax
     layer over the layer's own line), so a site in library code reports the
     line in user code that reached it.
@@ -313,14 +309,11 @@ def _first_frame(chains: Iterable) -> tuple[str, int] | None:
 def _installed_root(path: str) -> str | None:
     """The installed-packages directory `path` lies in (None: user code)."""
     norm = os.path.normcase(path)
-    if norm.startswith(_BENCH_DIR):
-        return None
     return next((r for r in _INSTALLED_DIRS if norm.startswith(r)), None)
 
 
 def _is_own_file(path: str) -> bool:
-    norm = os.path.normcase(path)
-    return norm.startswith(_PACKAGE_DIR) and not norm.startswith(_BENCH_DIR)
+    return os.path.normcase(path).startswith(_PACKAGE_DIR)
 
 
 def current_user_frame() -> tuple[str, int] | None:

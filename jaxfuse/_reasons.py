@@ -42,6 +42,7 @@ class Bytes(int):
 
 
 BLAMES = ("readers", "producer")
+_EXACT_ONLY = " (exact=False fuses it, rounding each product once)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,10 @@ class ReasonKind:
     code: str
     template: str
     blame: str | None = None
+    exact_only: bool = False
+    """Declined only so that values stay bit for bit those of jax.jit (a fused op
+    would round once where XLA's loop rounds twice, or the other way round):
+    `optimize(..., exact=False)` fuses such a site, and the text says so."""
 
     def __post_init__(self):
         if self.blame is not None and self.blame not in BLAMES:
@@ -87,14 +92,22 @@ class Reason:
         return dict(self.items)
 
     def __str__(self) -> str:
-        return self.kind.template.format(culprit=self.culprit, **self.numbers)
+        text = self.kind.template.format(culprit=self.culprit, **self.numbers)
+        return text + _EXACT_ONLY if self.kind.exact_only else text
 
     def __repr__(self) -> str:
         facts = ", ".join(f"{k}={v!r}" for k, v in self.items)
         culprit = f", culprit={self.culprit!r}" if self.culprit is not None else ""
         return f"Reason({self.code!r}{culprit}{', ' + facts if facts else ''})"
 
-    def startswith(self, prefix: str) -> bool:  # reads like the text it renders
+    # It reads like the text it renders.
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    def __contains__(self, text: str) -> bool:
+        return text in str(self)
+
+    def startswith(self, prefix: str) -> bool:
         return str(self).startswith(prefix)
 
 

@@ -23,6 +23,9 @@ import jax
 import numpy as np
 import pytest
 
+TESTS = os.path.dirname(os.path.abspath(__file__))  # the suite's support modules live here
+REPO = os.path.dirname(TESTS)
+
 
 def _has_gpu() -> bool:
     try:
@@ -73,12 +76,12 @@ def _float16_case(item) -> bool:
 def unmeasured_isa_reason() -> str | None:
     """Why `auto`'s CPU decisions cannot be pinned here: XLA targets an ISA
     level the cost model was never measured for, where `auto` declines every
-    site by design (tests/test_isa.py tests that); None where they can."""
+    site by design (tests/ops/test_isa.py tests that); None where they can."""
     from jaxfuse.ops import isa as _isa
-    from jaxfuse.fusion.policy import cost
+    from jaxfuse.ops import facts
 
     level = _isa.target_level_here()
-    measured = cost.PLATFORMS["cpu"].isa_levels
+    measured = facts.PLATFORMS["cpu"].isa_levels
     if level in measured:
         return None
     return (f"pins auto's CPU decisions, measured where XLA targets {', '.join(measured)}; "
@@ -112,7 +115,7 @@ def load_bench_script(name: str):
     """A script of benchmarks/ (not a package) as a module, to test what it computes."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", f"{name}.py")
+    path = os.path.join(REPO, "benchmarks", f"{name}.py")
     spec = importlib.util.spec_from_file_location(os.path.basename(name), path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,4 +1,4 @@
-"""One process of tests/test_multiprocess.py: joins a `jax.distributed` job on
+"""One process of tests/fusion/test_distributed.py: joins a `jax.distributed` job on
 localhost (CPU, gloo collectives, 4 devices per process), runs `optimize` on
 programs sharded across the processes, and writes what it saw as JSON.
 

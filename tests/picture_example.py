@@ -1,4 +1,4 @@
-"""Functions for the command line tests of tests/test_pictures.py
+"""Functions for the command line tests of tests/fusion/report/test_pictures.py
 (`jaxfuse-explain picture_example:...`)."""
 
 import jax

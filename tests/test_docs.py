@@ -16,7 +16,7 @@ import jaxfuse.tuning
 
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
 # Values that cannot carry a docstring of their own: api.md describes them in prose.
-DESCRIBED_IN_PROSE = {"SERVED_DTYPES", "add_relu_p", "epilogue_p"}
+DESCRIBED_IN_PROSE = {"SERVED_DTYPES", "add_relu_p", "epilogue_p", "__version__"}
 
 
 def _api_text() -> str:

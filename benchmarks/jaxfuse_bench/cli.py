@@ -18,7 +18,14 @@ DEFAULT_DTYPES = ("float32", "bfloat16", "float16")
 # on a CPU the half-precision convolutions are emulated and slow, and say nothing new.
 DEFAULT_MODEL_DTYPES = {"cpu": ("float32",), "gpu": ("float32", "bfloat16")}
 HEADLINE = (1024, 1024)
-QUICK_SIZES = [1 << 16, 1 << 18, 1 << 20, HEADLINE]
+# --quick: a newcomer's first run, about two minutes on a 2-core CPU: a small
+# and a large size of each op form, in the two dtypes auto fuses on CPU, and
+# four small model workloads (an op-level model, a training step, a conv
+# block, attention with the shipped rule); the full run is `jaxfuse-bench`.
+QUICK_SIZES = [1 << 16, 1 << 22]
+QUICK_DTYPES = ("float32", "bfloat16")
+QUICK_WORKLOADS = ("add_relu", "bias_add_relu", "relu_add", "mlp_train_step", "resnet_block",
+                   "linen_attention")
 # Full sweep: 2^16 ... 2^26 in powers of 2 on GPU.  On CPU it stops at 2^24:
 # one 2^26 float32 operand is 256 MiB, the unfused pair moves 1.3 GB per call at
 # the ~10-20 GB/s a small CPU VM gets, and three dtypes x two workloads x four
@@ -75,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         "reference measured in the same run.",
     )
     p.add_argument("--quick", action="store_true",
-                   help="a short run (sizes 2^16, 2^18, 2^20, 1024x1024; 10 repetitions; small "
-                   "models): 2-3 minutes on a 2-core CPU")
+                   help="a short run, about two minutes on a 2-core CPU: op sizes 2^16 and 2^22 in "
+                   "float32 and bfloat16, four small model workloads, 10 repetitions; the full "
+                   "run is jaxfuse-bench without --quick")
     p.add_argument("--sizes", type=_size_list, default=None,
                    help="op workloads: comma-separated element counts (65536, 2^16, 1<<16) or shapes "
                    "(1024x1024); default: 1024x1024 plus 2^16..2^26 (GPU) / 2^24 (CPU) in powers of 2")
@@ -86,12 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dtypes", type=_choice_list(DTYPES), default=None,
                    help="dtypes of the model workloads; default: those of an explicit --dtypes, "
                    "else float32 (CPU) / float32,bfloat16 (GPU)")
-    p.add_argument("--modes", type=_choice_list(MODES), default=list(MODES),
-                   help="comma-separated subset of unfused,xla,jaxfuse,jaxfuse-always (default: all; "
-                   "op workloads run unfused/xla/jaxfuse, where jaxfuse is policy=\"always\"; model "
-                   "workloads xla/jaxfuse (policy=\"auto\")/jaxfuse-always)")
-    p.add_argument("--workloads", type=_choice_list(workloads), default=list(workloads),
-                   help="comma-separated subset of " + ",".join(workloads) + " (default: all)")
+    p.add_argument("--modes", type=_choice_list(MODES), default=None,
+                   help="comma-separated subset of unfused,xla,jaxfuse,jaxfuse-always,jaxfuse-inexact "
+                   "(default: all; op workloads run unfused/xla/jaxfuse, where jaxfuse is "
+                   "policy=\"always\"; model workloads xla/jaxfuse (policy=\"auto\")/jaxfuse-always/"
+                   "jaxfuse-inexact (auto, exact=False); --quick leaves out jaxfuse-inexact)")
+    p.add_argument("--workloads", type=_choice_list(workloads), default=None,
+                   help="comma-separated subset of " + ",".join(workloads) + " (default: all; "
+                   "with --quick: " + ",".join(QUICK_WORKLOADS) + ")")
     p.add_argument("--timing", type=_choice_list(TIMING_MODES), default=list(TIMING_MODES),
                    help="timing modes: latency (each call waited for), throughput (K calls back to "
                    "back, one wait); default: latency,throughput")
@@ -159,7 +169,8 @@ def plan_groups(args, is_gpu: bool) -> list[tuple]:
 
     sizes = args.sizes if args.sizes is not None else _default_sizes(is_gpu, args.quick)
     key = "quick" if args.quick else ("gpu" if is_gpu else "cpu")
-    op_dtypes = list(args.dtypes if args.dtypes is not None else DEFAULT_DTYPES)
+    op_dtypes = list(args.dtypes if args.dtypes is not None else
+                     QUICK_DTYPES if args.quick else DEFAULT_DTYPES)
     m_dtypes = model_dtypes(args, is_gpu)
     plan = []
     for dt in op_dtypes:
@@ -182,6 +193,12 @@ def _size_json(size):
     return list(size) if isinstance(size, tuple) else int(size)
 
 
+def _size_text(size) -> str:
+    if isinstance(size, tuple):
+        return "x".join(map(str, size))
+    return f"2^{size.bit_length() - 1}" if size & (size - 1) == 0 else str(size)
+
+
 def _label(wl, dt, size) -> str:
     return f"{wl} {dt} {size if not isinstance(size, tuple) else 'x'.join(map(str, size))}"
 
@@ -196,7 +213,7 @@ def _detail(recs) -> str:
                 continue
             if r["mode"] == "xla":
                 bits.append(f"xla {r['median_s'] * 1e6:.1f}us")
-            elif r["mode"] in ("jaxfuse", "jaxfuse-always") and r.get("ratio_median") is not None:
+            elif r["mode"] in ("jaxfuse", "jaxfuse-always", "jaxfuse-inexact") and r.get("ratio_median") is not None:
                 bits.append(f"{r['mode']} {r['ratio_median']:.2f}x {r['verdict']}")
         parts.append(f"{tm} " + ", ".join(bits))
     return "; ".join(parts)
@@ -234,8 +251,7 @@ def run(args) -> int:
     disabled = os.environ.get("JAXFUSE_DISABLE_KERNELS", "") == "1"
     why = ""
     if not have_kernel:
-        why_not = getattr(getattr(jaxfuse, "_kernels", None), "why_not", None)
-        why = why_not(kplat) if why_not else "unknown"
+        why = jaxfuse.ops.kernels.why_not(kplat) or "unknown"
     cache_bytes, cache_src = timing.last_level_cache(device)
 
     reps = args.reps or (10 if args.quick else (50 if is_gpu else 30))
@@ -274,7 +290,8 @@ def run(args) -> int:
         "settings": {
             "quick": bool(args.quick), "reps": reps, "warmup": args.warmup,
             "target_batch_s": target, "rotate": not args.no_rotate, "order": args.order,
-            "dtypes": list(args.dtypes or DEFAULT_DTYPES), "model_dtypes": model_dtypes(args, is_gpu),
+            "dtypes": list(args.dtypes or (QUICK_DTYPES if args.quick else DEFAULT_DTYPES)),
+            "model_dtypes": model_dtypes(args, is_gpu),
             "modes": args.modes, "workloads": args.workloads, "timing_modes": args.timing,
             "timing": {
                 "latency": "each call dispatched and blocked on; a sample is the mean of K such calls",
@@ -439,6 +456,10 @@ def run(args) -> int:
     banner = report.fallback_banner(payload)
     if banner:
         print(banner)
+    if args.quick:
+        print(f"a quick run: op sizes {', '.join(_size_text(s) for s in QUICK_SIZES)}, "
+              f"{len(args.workloads)} workloads, {reps} repetitions. The full run (every size "
+              f"from 2^16, every dtype, every model workload): jaxfuse-bench --json bench.json")
 
     if args.json:
         report.write_json(args.json, payload)
@@ -497,9 +518,18 @@ def main(argv=None) -> int:
         parser.error("--reps must be >= 1")
     if args.ref_reps is not None and args.ref_reps < 1:
         parser.error("--ref-reps must be >= 1")
+    if args.modes is None:
+        from .workloads import MODES
+
+        args.modes = [m for m in MODES if not (args.quick and m == "jaxfuse-inexact")]
+    explicit = args.workloads is not None
+    if not explicit:
+        from .models import MODEL_WORKLOADS
+        from .workloads import OP_WORKLOADS
+
+        args.workloads = list(QUICK_WORKLOADS if args.quick else OP_WORKLOADS + MODEL_WORKLOADS)
     if args.model_shape is not None:
-        why = _model_shape_error(args.model_shape, args.workloads,
-                                 explicit=args.workloads != parser.get_default("workloads"))
+        why = _model_shape_error(args.model_shape, args.workloads, explicit=explicit)
         if why:
             parser.error(why)
     return run(args)

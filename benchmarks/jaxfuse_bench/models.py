@@ -7,6 +7,9 @@ Each is timed in three modes, interleaved, in both timing modes:
                      cost model fuses a site only where the custom call should
                      not lose to XLA's own fusion on this platform;
 * ``jaxfuse-always`` ``jaxfuse.optimize(f, policy="always")``: every safe site.
+* ``jaxfuse-inexact`` ``jaxfuse.optimize(f, exact=False)``: auto, with the sites
+  declined only to keep jit's bits (BatchNorm on batch statistics, products XLA
+  contracts) decided on cost and memory too.
 
 The question they answer is the issue's "never slower than XLA": the
 ``jaxfuse`` mode's time ratio against ``xla`` must not have a 95% interval
@@ -578,7 +581,8 @@ def model_group(workload, size, dtype, modes, cache_bytes, *, seed=0, rotate=Tru
     fns = {}
     for m in modes:
         policy = W.policy_of(m, "model")
-        fns[m] = jax.jit(spec.fn) if policy is None else W.fuse(spec.fn, policy, spec.rules)
+        fns[m] = (jax.jit(spec.fn) if policy is None else
+                  W.fuse(spec.fn, policy, spec.rules, exact=W.exact_of(m)))
 
     def case(m):
         f = fns[m]

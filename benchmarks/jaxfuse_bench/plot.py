@@ -25,8 +25,9 @@ MODE_STYLE = {
     "xla": {"color": "tab:blue", "marker": "o"},
     "jaxfuse": {"color": "tab:red", "marker": "^"},
     "jaxfuse-always": {"color": "tab:orange", "marker": "v"},
+    "jaxfuse-inexact": {"color": "tab:purple", "marker": "^"},
 }
-BAR_COLOR = {"jaxfuse": "tab:red", "jaxfuse-always": "tab:orange"}
+BAR_COLOR = {"jaxfuse": "tab:red", "jaxfuse-always": "tab:orange", "jaxfuse-inexact": "tab:purple"}
 TM_HATCH = {"latency": "", "throughput": "//"}
 DTYPE_ORDER = ("float32", "bfloat16", "float16", "float64")
 
@@ -112,7 +113,7 @@ def _model_panel(ax, recs, dt):
 def _memory_panel(ax, recs, dt):
     workloads = list(dict.fromkeys(r["workload"] for r in recs))
     xla_held = {r["workload"]: held_bytes(r) for r in recs if r["mode"] == "xla"}
-    modes = [m for m in ("jaxfuse", "jaxfuse-always") if any(r["mode"] == m for r in recs)]
+    modes = [m for m in ("jaxfuse", "jaxfuse-always", "jaxfuse-inexact") if any(r["mode"] == m for r in recs)]
     width = 0.8 / max(1, len(modes))
     for j, mode in enumerate(modes):
         xs, ys = [], []

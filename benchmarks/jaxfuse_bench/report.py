@@ -13,8 +13,11 @@ its ``temp_ratio`` to xla's temp bytes is exact and has no interval. The
 figure leaves out what XLA:CPU's library fusions hold in their own workspace;
 ``library_fusions`` counts them, the table marks such programs' temp, and
 ``library_workspace`` is the largest one's estimated workspace
-(jaxfuse/fusion/tuning/hlo_memory.py), which ratios and comparisons add to the temp
-(``held_bytes``), as `auto`'s memory check does.
+(jaxfuse/fusion/tuning/hlo_memory.py), which the temp ratio adds to the temp
+(``held_bytes``). ``peak`` is a call's peak bytes as `auto`'s memory check
+counts them (arguments + outputs + temp - aliased + that workspace): the
+``peak/xla`` column, and the memory summary says where a program peaks
+above xla's plus the slack `auto` allows (64 KiB or 0.1%).
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ import time
 from typing import IO, Iterable, Mapping, Sequence
 
 from jaxfuse.fusion.report.report import human_bytes
+from jaxfuse.fusion.tuning.hlo_memory import within
 from . import reference as _ref
 from .timing import TIMING_MODES, ratio_ci
 
 BEATS, TIES, LOSES = "BEATS", "TIES", "LOSES"
-MODE_ORDER = ("unfused", "xla", "jaxfuse", "jaxfuse-always")
-JAXFUSE_MODES = ("jaxfuse", "jaxfuse-always")
+MODE_ORDER = ("unfused", "xla", "jaxfuse", "jaxfuse-always", "jaxfuse-inexact")
+JAXFUSE_MODES = ("jaxfuse", "jaxfuse-always", "jaxfuse-inexact")
 
 
 def gbps(nbytes: float, seconds: float) -> float:
@@ -128,6 +132,11 @@ def held_bytes(r: dict) -> int | None:
     return None if temp is None else temp + ((r.get("memory") or {}).get("library_workspace") or 0)
 
 
+def peak_bytes(r: dict) -> int | None:
+    """A call's peak bytes of the record's program (None: not known)."""
+    return (r.get("memory") or {}).get("peak")
+
+
 def temp_ratio(own: int | None, xla: int | None) -> float | None:
     """own / xla temp bytes.  Both 0 is 1.0: neither program needs a temp
     buffer, so nothing was raised.  None where either is unknown, or where
@@ -154,13 +163,27 @@ def _xla_held(records: Iterable[dict]) -> dict[tuple, int]:
     return out
 
 
+def _xla_peak(records: Iterable[dict]) -> dict[tuple, int]:
+    """(workload, dtype, shape) -> the xla record's `peak_bytes`."""
+    out: dict[tuple, int] = {}
+    for r in records:
+        if r["mode"] == "xla" and peak_bytes(r) is not None:
+            out.setdefault(_case_key(r), peak_bytes(r))
+    return out
+
+
 def attach_memory_ratios(records: Sequence[dict]) -> None:
-    """``temp_ratio`` of each jaxfuse-mode record: its temp bytes / those of the
-    xla record of the same (workload, dtype, shape), by the rules of ``temp_ratio``."""
-    xla = _xla_held(records)
+    """``temp_ratio`` and ``peak_ratio`` of each jaxfuse-mode record: its held
+    (temp) and peak bytes / those of the xla record of the same (workload,
+    dtype, shape), by the rules of ``temp_ratio``; ``peak_within`` whether its
+    peak is within xla's plus the slack."""
+    xla, xla_peak = _xla_held(records), _xla_peak(records)
     for r in records:
         if r["mode"] in JAXFUSE_MODES:
             r["temp_ratio"] = temp_ratio(held_bytes(r), xla.get(_case_key(r)))
+            own, base = peak_bytes(r), xla_peak.get(_case_key(r))
+            r["peak_ratio"] = temp_ratio(own, base)
+            r["peak_within"] = None if own is None or base is None else within(own, base)
 
 
 # --------------------------------------------------------------- progress
@@ -273,7 +296,7 @@ def legend(reference: dict | None) -> str:
         "modes:  op workloads: unfused (two executables), xla (jax.jit), jaxfuse "
         "(optimize, policy=\"always\": the kernel);",
         "        model workloads: xla, jaxfuse (optimize, default policy=\"auto\"), "
-        "jaxfuse-always (policy=\"always\")",
+        "jaxfuse-always (policy=\"always\"), jaxfuse-inexact (auto, exact=False)",
         f"columns: % roof = GB/s as % of the reference copy bandwidth{ref}; '!!' = above 105%: "
         "a measurement error;",
         "         t/xla = median of the paired per-round time ratios to xla, [95% CI] bootstrapped; "
@@ -284,12 +307,15 @@ def legend(reference: dict | None) -> str:
         "a difference is noise or dispatch",
         "         temp = the compiled program's temp bytes as XLA reports them (memory_analysis: "
         "deterministic, exact, no interval); temp/xla = that / xla's (1 when both are 0)",
+        "         peak = a call's peak bytes (arguments + outputs + temp - aliased + the largest "
+        "library fusion's workspace); peak/xla = that / xla's, '(>slack)' where above xla's "
+        "plus the slack auto allows (64 KiB or 0.1%)",
     ])
 
 
 TABLE_HEAD = ("workload", "dtype", "shape", "bytes", "timing", "mode", "median us", "min us",
               "max us", "GB/s", "% roof", "t/xla", "95% CI", "verdict", "unf/jf", "impl",
-              "sites/calls", "temp", "temp/xla")
+              "sites/calls", "temp", "temp/xla", "peak", "peak/xla")
 _LEFT = {0, 1, 2, 4, 5, 13, 15}
 
 
@@ -303,6 +329,12 @@ def _temp_ratio_cell(r: dict, xla_held: int | None) -> str:
     if xla_held == 0 and own:
         return "> xla's 0 B"
     return "-"
+
+
+def _peak_ratio_cell(r: dict) -> str:
+    if r["mode"] not in JAXFUSE_MODES or r.get("peak_ratio") is None:
+        return ""
+    return f"{r['peak_ratio']:.3f}" + ("" if r.get("peak_within", True) else " (>slack)")
 
 
 def table_rows(records: Sequence[dict]) -> list[tuple]:
@@ -335,6 +367,7 @@ def table_rows(records: Sequence[dict]) -> list[tuple]:
                     _fmt(unf, ".2f", none=""), impl, sites,
                     human_bytes(temp_bytes(r)) + ("*" if _library_fusions(r) else ""),
                     _temp_ratio_cell(r, xla_held.get((wl, dt, shape))),
+                    human_bytes(peak_bytes(r)), _peak_ratio_cell(r),
                 ))
     return rows
 
@@ -549,11 +582,17 @@ def memory_summary(records: Sequence[dict]) -> str | None:
                      + ", ".join(f"{wl} {dt}" for wl, dt, _ in io))
         if len(known) < len(cases):
             text += f", not known in {len(cases) - len(known)}"
+        over = [k for k, r in cases.items() if r.get("peak_within") is False]
+        peaks = [r["peak_ratio"] for r in cases.values() if r.get("peak_ratio") is not None]
+        if peaks:
+            text += (f"; peak above xla's plus the slack in {len(over)}"
+                     + (f" ({', '.join(f'{wl} {dt}' for wl, dt, _ in over)})" if over else "")
+                     + f", largest peak/xla {max(peaks):.3f}")
         parts.append(text)
     if not parts:
         return None
-    return ("model workloads, bytes held in a call (temp and library workspace) against XLA: "
-            + "; ".join(parts) + ".")
+    return ("model workloads, bytes held in a call (temp and library workspace) and a call's "
+            "peak against XLA: " + "; ".join(parts) + ".")
 
 
 def roofline_summary(records: Sequence[dict], reference: dict | None) -> list[str]:

@@ -54,7 +54,7 @@ def model_table(records: Sequence[dict]) -> list[str]:
                   key=lambda k: ([r["workload"] for r in models].index(k[0]), k[1]))
     for workload, dtype in keys:
         cells = []
-        for mode in ("jaxfuse", "jaxfuse-always"):
+        for mode in ("jaxfuse", "jaxfuse-always", "jaxfuse-inexact"):
             rows = [r for r in models if (r["workload"], r["dtype"], r["mode"]) == (workload, dtype, mode)]
             cells.append(" / ".join(_cell(rows, t) for t in ("latency", "throughput")))
         temp = [r.get("temp_ratio") for r in models

@@ -15,7 +15,7 @@ tiny calls are not lost in timer resolution).
   the last output ends the batch -- issue 15's loop, ``for _ in range(K): r =
   f(a, b)``, as a training or inference loop rebinds its state.  One device
   runs its executions in the order they were issued (XLA:CPU chains each one
-  to the last; a GPU runs them on one stream; ``tests/test_bench_cli.py``
+  to the last; a GPU runs them on one stream; ``tests/benchmarks/test_bench_cli.py``
   checks it on the CPU), so the last output is ready only when every call of
   the batch is done.  JAX dispatch is asynchronous, so device work overlaps
   with the host-side dispatch of the next call; for small arrays the per-call

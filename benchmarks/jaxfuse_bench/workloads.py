@@ -17,7 +17,8 @@ Op-level modes (``add_relu``, ``bias_add_relu``)
   model-level workloads, ``jaxfuse_bench.models``, time that policy.)
 
 Model-level modes are ``xla``, ``jaxfuse`` (``policy="auto"``, the default a
-user gets) and ``jaxfuse-always`` (``policy="always"``); see ``models``.
+user gets), ``jaxfuse-always`` (``policy="always"``) and ``jaxfuse-inexact``
+(``policy="auto", exact=False``); see ``models``.
 
 Op workloads
 ------------
@@ -58,12 +59,12 @@ from jax import lax
 
 import jaxfuse
 from jaxfuse.fusion.patterns import epilogues as _epilogues
-from jaxfuse.fusion.policy import memory as _memory
+from jaxfuse.fusion.tuning import hlo_memory
 
 OP_MODES = ("unfused", "xla", "jaxfuse")
-MODEL_MODES = ("xla", "jaxfuse", "jaxfuse-always")
-MODES = ("unfused", "xla", "jaxfuse", "jaxfuse-always")
-JAXFUSE_MODES = ("jaxfuse", "jaxfuse-always")
+MODEL_MODES = ("xla", "jaxfuse", "jaxfuse-always", "jaxfuse-inexact")
+MODES = ("unfused", "xla", "jaxfuse", "jaxfuse-always", "jaxfuse-inexact")
+JAXFUSE_MODES = ("jaxfuse", "jaxfuse-always", "jaxfuse-inexact")
 OP_WORKLOADS = ("add_relu", "bias_add_relu")
 BIAS_WIDTH = 1024
 COPY = "copy"
@@ -75,13 +76,19 @@ def policy_of(mode: str, kind: str) -> str | None:
         return "always"
     if mode == "jaxfuse":
         return "always" if kind == "op" else "auto"
+    if mode == "jaxfuse-inexact":
+        return "auto"
     return None
+
+
+def exact_of(mode: str) -> bool:
+    """The ``exact`` a mode runs with: False only for ``jaxfuse-inexact``."""
+    return mode != "jaxfuse-inexact"
 
 
 # Names of our FFI targets (see jaxfuse/ops/kernels.py); used to check that a
 # jaxfuse mode really lowered to our custom calls.
-_K = getattr(jaxfuse, "_kernels", None)
-TARGETS = (getattr(_K, "TARGET", "jaxfuse_add_relu"), getattr(_K, "EPILOGUE_TARGET", "jaxfuse_epilogue"))
+TARGETS = (jaxfuse.ops.kernels.TARGET, jaxfuse.ops.kernels.EPILOGUE_TARGET)
 _CUSTOM_CALL_RE = re.compile(
     r"custom_call\s*@(?:" + "|".join(map(re.escape, TARGETS)) + r")\b"
     r"|call_target_name\s*=\s*\"(?:" + "|".join(map(re.escape, TARGETS)) + ')"'
@@ -102,14 +109,15 @@ def add_relu_f(a, b):
     return relu(a + b)
 
 
-def fuse(f: Callable, policy: str = "always", rules=()) -> Callable:
+def fuse(f: Callable, policy: str = "always", rules=(), exact: bool = True) -> Callable:
     """A jaxfuse mode: the optimization pass applied to ``f``, with the
     registered patterns and ``rules`` (user rules a workload asks for)."""
     if not rules:
-        return jaxfuse.optimize(f, policy=policy)
+        return jaxfuse.optimize(f, policy=policy, exact=exact)
     from jaxfuse.fusion import registered_patterns
 
-    return jaxfuse.optimize(f, policy=policy, patterns=[*registered_patterns(), *rules])
+    return jaxfuse.optimize(f, policy=policy, exact=exact,
+                            patterns=[*registered_patterns(), *rules])
 
 
 # The two halves of the ``unfused`` mode: two executables, the sum materialized.
@@ -352,7 +360,7 @@ def inspect(fn: Callable, *args, mode: str = "xla", policy: str | None = None,
         try:
             mem = memory_stats(compiled.memory_analysis())
             if mem is not None:
-                mem.update(_memory.library_figures(compiled))
+                mem.update(hlo_memory.figures_of(compiled))
         except Exception:  # noqa: BLE001 - inspection never sinks a benchmark (docstring)
             pass
     return Inspection(xb, calls, sites, declined, rejected,

@@ -44,7 +44,7 @@ def run_case(dtype: str, log2: int, inputs: str, rounds: int) -> dict:
     import jax.numpy as jnp
 
     import jaxfuse
-    from jaxfuse.fusion.policy import pacing
+    from jaxfuse.ops import pacing
     from jaxfuse_bench import timing
 
     n = 1 << log2

@@ -54,10 +54,14 @@ def _child(workload: str, mode: str, size: str) -> dict:
     import numpy as np
 
     import jaxfuse
-    from jaxfuse_bench import models as M
-    from jaxfuse.fusion.policy import memory, pacing
+    from jaxfuse import _compat as C
+    from jaxfuse.fusion import registered_patterns
     from jaxfuse.fusion.ir import subjaxprs
-    from jaxfuse.fusion.tuning import autotuner as tuning
+    from jaxfuse.fusion.policy import memory
+    from jaxfuse.fusion.policy.cost import apply
+    from jaxfuse.fusion.policy.plan import Plan
+    from jaxfuse.ops.primitive import FUSED
+    from jaxfuse_bench import models as M
 
     spec = M.BUILDERS[workload](M.size_for(workload, size), jnp.dtype("float32"),
                                 jax.random.key(1))
@@ -66,16 +70,21 @@ def _child(workload: str, mode: str, size: str) -> dict:
             jnp.asarray(rng.standard_normal(s), jnp.float32) for s, kind in spec.data_shapes]
     if mode == "jit":
         fn = jax.jit(spec.fn)
-    elif mode == "kept":  # auto, its probe's timing told that keeping the sites fused wins
-        told = tuning.Autotuner(rounds=1, timer=lambda name, run: (run(), name != "kept")[1])
-        memory.CHECKING = False
-        fn = jaxfuse.optimize(spec.fn, autotuner=told)
+    elif mode == "kept":  # the cost model's sites, none given back and memory unchecked
+        traced = jax.make_jaxpr(spec.fn)(spec.params, *data)
+        kept = apply(traced, registered_patterns(), Plan.auto("cpu")).jaxpr
+        leaves = jax.tree_util.tree_leaves((spec.params, *data))
+        jitted = jax.jit(lambda *a: C.inline_closed(kept, *a))
+
+        def fn(params, *rest):
+            return jitted(*jax.tree_util.tree_leaves((params, *rest)))
+        assert len(leaves) == len(traced.in_avals)
     else:
         fn = jaxfuse.optimize(spec.fn, policy=mode)
     for _ in range(3):
         jax.block_until_ready(fn(spec.params, *data))
     closed = (jax.make_jaxpr(spec.fn)(spec.params, *data) if mode == "jit" else
-              jaxfuse.explain(fn, spec.params, *data).jaxpr)
+              kept if mode == "kept" else jaxfuse.explain(fn, spec.params, *data).jaxpr)
     growth = []
     for _ in range(CALLS):
         time.sleep(0.2)  # the last call's buffers may be freed after its results are ready
@@ -86,9 +95,10 @@ def _child(workload: str, mode: str, size: str) -> dict:
         growth.append(_status()["VmHWM"] - before)
     return {"workload": workload, "mode": mode, "peak_rss_growth": sorted(growth)[CALLS // 2],
             "temp": memory.temp_bytes(closed),
-            "held": memory.held_bytes(closed),
+            "held": memory.compiled_memory(closed)["held"],
+            "peak": memory.peak_bytes(closed),
             "temp_materialized": memory.temp_bytes(closed, materialized=True),
-            "custom_calls": sum(e.primitive in pacing.FUSED for e in subjaxprs.all_eqns(closed))}
+            "custom_calls": sum(e.primitive in FUSED for e in subjaxprs.all_eqns(closed))}
 
 
 def main() -> None:

@@ -1,34 +1,36 @@
 """The fusion pass: `optimize` rewrites the sites worth fusing, `explain` says why.
 
-Modules, one job each:
-  patterns  -- Pattern/Match and the registry (patterns are data)
-  dsl       -- pattern trees and the one matcher every built-in pattern uses
-  relu      -- the ReLU spellings, as one tree node
-  masks     -- a gradient's derivative masks, rewritten from the fused outputs
-  epilogues -- the built-in patterns (add_relu, scale/shift/BatchNorm/residual)
-  cost      -- the cost model behind policy="auto"
-  graph     -- a read-only view of one jaxpr for matchers (producers, uses, constants)
-  subjaxprs -- which higher-order primitives the pass descends into
-  contraction -- where XLA would round a site differently (products it contracts)
-  rules     -- `rule(pattern, replacement)`: patterns written as plain JAX functions
-  canonical -- spellings a rule's matcher treats alike (contraction layouts, constants)
-  walker    -- the interpreter: post-order walk, matching, rebuilding
-  report    -- Site / Skipped / Report, and the table `str(report)` prints
-  picture   -- the dataflow graph around the sites, before and after (`Report.graph`);
-               picture_save writes it (.dot/.svg/.png/.html), picture_plot draws
-               it without Graphviz
-  api       -- optimize and explain
+Folders by job, each layer reading only those below it (tests/test_import_graph.py):
+
+  ir/        the program as the pass reads it: a jaxpr's graph (`graph`), nested
+             bodies (`subjaxprs`), small jit calls seen through (`inline`),
+             constants folded and contraction layouts (`canonical`), products
+             XLA computes in a loop (`products`), the facts about XLA's own
+             fusion (`xla`), the sites of a rewrite (`sites`) and the platform
+             being compiled for (`target`)
+  safety/    where a fused op would round differently from XLA's loop (`rounding`)
+  match/     patterns as data (`patterns`), the tree DSL (`dsl`), `jaxfuse.rule`'s
+             engine (`rule_engine`) and the walker that applies them (`walker`)
+  patterns/  the built-in patterns: add -> ReLU and its epilogues (`epilogues`,
+             `relu`, `masks`)
+  tuning/    measuring compiled programs: the autotuner (`autotuner`) and
+             what XLA:CPU's programs hold (`hlo_memory`)
+  policy/    deciding: a plan as a value (`plan`), the cost model (`cost`), the
+             library-fusion probe (`probe`), the memory promise (`memory`), the
+             pacing of CPU calls (`pacing`), and the decision step (`decide`)
+  report/    what users read: the report and its table (`report`), the picture
+             (`picture`, `plot`, `save`)
+  api        optimize and explain
 """
 
-from .api import explain, optimize
-from .patterns.epilogues import PATTERNS as _BUILTIN
+from .api import explain, optimize, rewrite
 from .ir.graph import Graph
+from .ir.target import target_platform
 from .match.patterns import (Match, Pattern, register_pattern, registered_patterns,
                              unregister_pattern)
-from .report.report import Report, Site, Skipped
 from .match.rule_engine import RuleError, rule
-from .target import target_platform
-from .match.walker import rewrite
+from .patterns.epilogues import PATTERNS as _BUILTIN
+from .report.report import Report, Site, Skipped
 
 for _p in _BUILTIN:
     register_pattern(_p, replace=True)

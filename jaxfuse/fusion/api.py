@@ -22,15 +22,15 @@ import numpy as np
 import jax
 
 from .. import _compat as C
-from .policy import cost as _cost
+from .ir.target import device_platform, targeting, trace_platform
+from .match.patterns import resolve
 from .policy import memory as _memory
 from .policy import pacing
-from .policy import probe as _probe
-from .tuning import autotuner as tuning
-from .match.patterns import resolve
+from .policy.cost import POLICIES, apply
+from .policy.decide import decide
+from .policy.plan import Plan
 from .report.report import Report
-from .target import device_platform, targeting, trace_platform
-from .match.walker import rewrite
+from .tuning import autotuner as tuning
 
 _INFO = "_jaxfuse_optimized"
 
@@ -42,6 +42,7 @@ class _Optimized(NamedTuple):
     static: tuple
     policy: str
     autotuner: object
+    exact: bool
 
 
 def _info(fun) -> _Optimized | None:
@@ -52,10 +53,16 @@ def _info(fun) -> _Optimized | None:
 
 
 def _check_policy(policy: str) -> str:
-    if policy not in _cost.POLICIES:
-        raise ValueError(f"jaxfuse: policy must be one of {', '.join(map(repr, _cost.POLICIES))}, "
+    if policy not in POLICIES:
+        raise ValueError(f"jaxfuse: policy must be one of {', '.join(map(repr, POLICIES))}, "
                          f"got {policy!r}")
     return policy
+
+
+def _check_exact(exact) -> bool:
+    if not isinstance(exact, bool):
+        raise TypeError(f"jaxfuse: exact must be True or False, got {exact!r}")
+    return exact
 
 
 def _check_callable(fun) -> None:
@@ -65,7 +72,7 @@ def _check_callable(fun) -> None:
 
 
 def optimize(fun: Callable | None = None, *, policy: str = "auto", patterns=None,
-             autotuner=None, **jit_kwargs):
+             autotuner=None, exact: bool = True, **jit_kwargs):
     """Rewrites `fun`'s fusion sites and jit-compiles the result.
 
     Usable as `@optimize` or `@optimize(policy=..., static_argnums=...)`.
@@ -84,24 +91,34 @@ def optimize(fun: Callable | None = None, *, policy: str = "auto", patterns=None
         (`jaxfuse.tuning`); `autotuner` overrides its settings (default
         `jaxfuse.tuning.DEFAULT`).
     `patterns`: names or `Pattern`s; None means every pattern registered when
-    `optimize` is called. Other keyword arguments go to `jax.jit`
-    (`static_argnums`, `static_argnames`, `donate_argnums`, ...).
+    `optimize` is called.
+    `exact` (default True): values and gradients bit for bit those of
+    `jax.jit`, so a site where the fused op would round differently from XLA's
+    own loop is declined (a product XLA contracts into an add, BatchNorm on a
+    batch's statistics, loops XLA rounds by element position); `explain` says
+    which. `exact=False` fuses those too: each product is rounded at most once
+    per element, and sums stay within summation-order rounding
+    (docs/semantics.md); under "auto" they are decided on time and memory as
+    every other site.
+    Other keyword arguments go to `jax.jit` (`static_argnums`,
+    `static_argnames`, `donate_argnums`, ...).
     """
     if fun is None:
         return functools.partial(optimize, policy=policy, patterns=patterns,
-                                 autotuner=autotuner, **jit_kwargs)
+                                 autotuner=autotuner, exact=exact, **jit_kwargs)
     _check_callable(fun)
     _check_policy(policy)
+    _check_exact(exact)
     pats = resolve(patterns)
     info = _info(fun)
-    if (info is not None and (info.patterns, info.policy, info.autotuner) == (pats, policy, autotuner)
-            and not jit_kwargs):
+    if (info is not None and (info.patterns, info.policy, info.autotuner, info.exact)
+            == (pats, policy, autotuner, exact) and not jit_kwargs):
         return fun  # already optimized with these options: nothing more to do
-    traced = _traced_for(fun, pats, policy, autotuner)
+    traced = _traced_for(fun, pats, policy, autotuner, exact)
     jitted = jax.jit(traced, **jit_kwargs)
     try:
         setattr(jitted, _INFO, _Optimized(jitted, fun, pats, _static_spec(jit_kwargs), policy,
-                                          autotuner))
+                                          autotuner, exact))
     except AttributeError:  # pragma: no cover - a jit wrapper that refuses attributes
         pass
     return jitted
@@ -115,9 +132,9 @@ class _Traced:
     strongly), so a cache of these keyed by that function never keeps it alive.
     """
 
-    def __init__(self, fun, patterns, policy, autotuner):
+    def __init__(self, fun, patterns, policy, autotuner, exact=True):
         self._fun = _weak(fun)
-        self.patterns, self.policy, self.autotuner = patterns, policy, autotuner
+        self.patterns, self.policy, self.autotuner, self.exact = patterns, policy, autotuner, exact
         for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
             try:
                 setattr(self, attr, getattr(fun, attr))
@@ -169,61 +186,53 @@ class _Traced:
     def rewritten(self, closed):
         platform = trace_platform()
         if self.policy == "measure":
-            return measured_choice(closed, self.patterns, self.autotuner, platform)
-        return rewrite_for(closed, self.patterns, self.policy, platform,
-                           tuner=self.autotuner, time_it=True)[0]
+            return measured_choice(closed, self.patterns, self.autotuner, platform, self.exact)
+        return rewrite_for(closed, self.patterns, self.policy, platform, tuner=self.autotuner,
+                           time_it=True, exact=self.exact)[0]
 
 
 def _all_tracers(arg) -> bool:
     return all(C.is_tracer_leaf(x) for x in jax.tree_util.tree_leaves(arg))
 
 
-def _cost_model(policy: str, platform: str | None = None):
-    return _cost.CostModel(platform) if policy == "auto" else None
-
-
 def rewrite_for(closed, patterns, policy: str, platform: str | None, origin=None, *,
-                tuner=None, time_it=False):
-    """The rewrite under `policy` for `platform`, with the conv-band sites XLA
-    fuses with their neighbours settled (probe.py: timed when `time_it`):
+                tuner=None, time_it=False, exact=True):
+    """The rewrite of `closed` under `policy` for `platform` (policy/decide.py;
+    the conv-band sites XLA fuses with their neighbours timed when `time_it`):
     (jaxpr, report)."""
-    model = _cost_model(policy, platform)
-    here = model is not None and platform == trace_platform()
+    here = platform == trace_platform()
     with targeting(platform or trace_platform()):
-        new, report = rewrite(closed, patterns, origin, cost=model)
-        if here:
-            new, report = _probe.settle(
-                closed, new, report, model,
-                lambda give_back: rewrite(closed, patterns, origin,
-                                          cost=_cost.CostModel(platform, give_back)),
-                patterns=patterns, tuner=tuner, time_it=time_it,
-                rewrite_all=lambda: rewrite(closed, patterns, origin))
-        new = pacing.settle(new)
-        if here:
-            given_back = _probe.given_back(report)
-            new, report = _memory.settle(
-                closed, new, report, platform,
-                lambda keys, reason: rewrite(closed, patterns, origin, cost=_cost.CostModel(
-                    platform, given_back, lean=(keys, reason))),
-                patterns=patterns, tuner=tuner)
-    report.jaxpr = new
-    return new, report
+        plan, walked = decide(closed, patterns, policy, platform, here=here, exact=exact,
+                              origin=origin, tuner=tuner, time_it=time_it)
+    report = Report(walked.sites, walked.skipped, walked.jaxpr, policy=policy, platform=platform,
+                    measured="; ".join(plan.measured) or None, exact=exact)
+    return walked.jaxpr, report
 
 
-def measured_choice(closed, patterns, autotuner=None, platform: str | None = None):
+def rewrite(closed, patterns=None, *, plan: Plan | None = None, origin=None):
+    """(jaxpr, report): `closed` rewritten under `plan` (default: every safe site
+    of `patterns`, all registered ones when None), with nothing measured."""
+    plan = plan or Plan()
+    with targeting(plan.platform or trace_platform()):
+        walked = apply(closed, resolve(patterns), plan, origin)
+    return walked.jaxpr, Report(walked.sites, walked.skipped, walked.jaxpr, policy=plan.policy,
+                                platform=plan.platform, exact=plan.exact)
+
+
+def measured_choice(closed, patterns, autotuner=None, platform: str | None = None, exact=True):
     """`policy="measure"`: the fastest of jax's program `closed`, the cost
     model's rewrite for `platform` and every safe site fused, timed by
     `autotuner` (`tuning.DEFAULT`); the cost model's where they cannot be timed."""
     tuner = autotuner or tuning.DEFAULT
-    auto = rewrite_for(closed, patterns, "auto", platform)[0]
+    auto = rewrite_for(closed, patterns, "auto", platform, exact=exact)[0]
     why = tuning.untimeable(closed)
     if why is not None:
         tuner.skipped.append(why)
         return auto
-    candidates = {"xla": closed, "auto": auto,
-                  "always": pacing.settle(rewrite(closed, patterns)[0])}
+    always = apply(closed, patterns, Plan("always", platform, exact)).jaxpr
+    candidates = {"xla": closed, "auto": auto, "always": pacing.settle(always)}
     return candidates[tuning.choose_among(closed, candidates, patterns, tuner, default="auto",
-                                          baseline="xla", check_memory=_memory.CHECKING)[0]]
+                                          baseline="xla")[0]]
 
 
 def _weak(fun):
@@ -236,17 +245,17 @@ def _weak(fun):
 _TRACED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _traced_for(fun, patterns, policy, autotuner) -> _Traced:
-    key = (patterns, policy, id(autotuner))
+def _traced_for(fun, patterns, policy, autotuner, exact=True) -> _Traced:
+    key = (patterns, policy, id(autotuner), exact)
     try:
         per_fun = _TRACED.setdefault(fun, {})
     except TypeError:  # unhashable or not weakly referenceable: no cache
-        return _Traced(fun, patterns, policy, autotuner)
+        return _Traced(fun, patterns, policy, autotuner, exact)
     traced = per_fun.get(key)
     # The cache finds functions by equality, as jit does; an entry made for an
     # equal but distinct callable holds that one (weakly), not `fun`.
     if traced is None or traced.autotuner is not autotuner or not _same(traced._fun(), fun):
-        traced = per_fun[key] = _Traced(fun, patterns, policy, autotuner)
+        traced = per_fun[key] = _Traced(fun, patterns, policy, autotuner, exact)
     return traced
 
 
@@ -260,23 +269,27 @@ def _same(held, fun) -> bool:
 
 # ------------------------------------------------------------------ explain
 def explain(fun: Callable, *args, policy: str | None = None, platform: str | None = None,
-            memory: bool | str = False, **kwargs) -> Report:
+            memory: bool | str = False, patterns=None, exact: bool | None = None,
+            **kwargs) -> Report:
     """Which sites of `fun(*args, **kwargs)` `optimize` fuses, and why not the rest.
 
     Arguments may be arrays, Python scalars or `jax.ShapeDtypeStruct`s; other
     leaves (strings, ...) and the static arguments of an optimized function are
     treated as static. Given an optimized function, explains the function it
     wraps with its patterns and policy; given a `jax.jit`-wrapped function, the
-    function it wraps, with that jit's static arguments. `policy` overrides it
-    ("auto" for a plain function); `platform` ("cpu", "cuda", "rocm", "tpu", or
+    function it wraps, with that jit's static arguments. `policy`, `patterns`
+    and `exact` override its options (for a plain function: "auto", every
+    registered pattern, True; see `optimize`); `platform` ("cpu", "cuda", "rocm", "tpu", or
     "gpu" for the GPU platform jax lowers for) is the one the cost decisions
     are made for (default: the arguments' devices, else the default backend,
     as jit does). `memory=True` also compiles the program as traced and as
     rewritten, for the default device, and reports the bytes XLA says each
-    holds (`report.memory`; a line of the printed report), with, on CPU, the
-    largest library fusion's estimated workspace and what a call holds in all
-    (`"held"`, what `auto` compares). `memory="calls"`
-    also gives, per fused call, the bytes it saves or costs in a call
+    holds (`report.memory`; lines of the printed report): temp, argument,
+    output and aliased bytes, on CPU the largest library fusion's estimated
+    workspace, and a call's peak (`"peak"`: arguments + outputs + temp -
+    aliased + that workspace), which `auto` keeps within jit's peak plus a
+    slack of 64 KiB or 0.1%, whichever is larger. `memory="calls"`
+    also gives, per fused call, the peak bytes it saves or costs in a call
     (`report.memory["calls"]`, `memory.CallBytes`): the program compiled with
     that call given back to XLA's ops, against as it is (one compile per call).
     """
@@ -285,9 +298,13 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
     _check_callable(fun)
     info = _info(fun)
     if info is None:
-        pats, static, default_policy = resolve(None), None, "auto"
+        pats, static, default_policy, default_exact = resolve(None), None, "auto", True
     else:
-        fun, pats, static, default_policy = info.fun, info.patterns, info.static, info.policy
+        fun, pats, static, default_policy, default_exact = (
+            info.fun, info.patterns, info.static, info.policy, info.exact)
+    if patterns is not None:
+        pats = resolve(patterns)
+    exact = _check_exact(default_exact if exact is None else exact)
     policy = _check_policy(policy or default_policy)
     if policy == "measure":
         policy = "auto"  # explain reports what the cost model says; tuning may still override
@@ -299,7 +316,7 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
         args, kwargs = _mark_static(fun, args, kwargs, static)
         flat_fun, dynamic = _split_dynamic(fun, args, kwargs, _is_dynamic_leaf)
         closed = jax.make_jaxpr(flat_fun)(*dynamic)
-    _, report = rewrite_for(closed, pats, policy, platform, C.definition_site(fun))
+    _, report = rewrite_for(closed, pats, policy, platform, C.definition_site(fun), exact=exact)
     report.platform = platform
     report.traced = closed  # for report.graph("before")
     if memory:

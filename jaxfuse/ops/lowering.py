@@ -18,8 +18,16 @@ from .. import _compat as C
 from . import env as _env, kernels as _kernels, numerics as _numerics
 from .primitive import add_relu_p, add_relu_reference, epilogue_p, epilogue_reference
 from .sharding import is_partitioned, local_call, lower_partitioned
-from ..fusion.policy import cost as _cost
-from ..fusion.policy import pacing
+from . import facts as _facts
+from . import pacing
+
+# Set only while the pass's probe (fusion/policy/probe.py) compiles a rewritten
+# program: sites numbered for the probe lower to XLA's own ops, under a name the
+# probe finds in XLA's fusions.
+PROBING = C.jit_key_flag(
+    "jaxfuse_probing", False,
+    "Internal: lower probed sites to XLA's own ops under a name the probe finds.")
+PROBE_SCOPE = "jaxfuse_probe"
 
 DISABLE_KERNELS = C.jit_key_flag(
     "jaxfuse_disable_kernels", _env.SETTINGS.disable_kernels,
@@ -79,8 +87,9 @@ def _fits_kernel(ctx, platform) -> bool:
 
 def _rounds_by_position(ctx, platform: str, params) -> bool:
     """Whether XLA's own loop for this epilogue rounds element by element
-    differently (`_numerics.cpu_rounds_by_position`): then no kernel matches it."""
-    if platform != "cpu" or not params.get("scale"):
+    differently (`numerics.cpu_rounds_by_position`): then no kernel matches it
+    bit for bit, and only a site fused under `exact=False` uses the kernel."""
+    if platform != "cpu" or not params.get("scale") or params.get("exact") is False:
         return False
     out = ctx.avals_out[0]
     return _numerics.cpu_rounds_by_position(
@@ -90,8 +99,8 @@ def _rounds_by_position(ctx, platform: str, params) -> bool:
 def _kernel_lowering(platform: str, target: str, reference, attrs_of):
     def lower(ctx, *args, **params):
         facts = params.get("site_facts")
-        if _cost.PROBING.value and facts is not None and facts.probe >= 0:
-            return reference(C.with_name_scope(ctx, f"{_cost.PROBE_SCOPE}{facts.probe}"), *args,
+        if PROBING.value and facts is not None and facts.probe >= 0:
+            return reference(C.with_name_scope(ctx, f"{PROBE_SCOPE}{facts.probe}"), *args,
                              **params)
         why = _why_not_kernel(platform)
         if why is not None:
@@ -100,7 +109,7 @@ def _kernel_lowering(platform: str, target: str, reference, attrs_of):
             return reference(ctx, *args, **params)
         if not _fits_kernel(ctx, platform) or _rounds_by_position(ctx, platform, params):
             return reference(ctx, *args, **params)
-        if _cost.platform_reason(facts, platform) is not None:
+        if _facts.platform_reason(facts, platform) is not None:
             # The pass recorded this site; on this platform XLA's own fusion of it wins.
             return reference(ctx, *args, **params)
         attrs = attrs_of(ctx, platform, **params)
@@ -122,7 +131,7 @@ def _add_relu_attrs(ctx, platform, *, grad_at_zero, site_facts=None, inplace=Non
 
 
 def _epilogue_attrs(ctx, platform, *, mean, scale, residual, tie, grad_at_zero, prescale=False,
-                    site_facts=None, inplace=None, pace=None):
+                    site_facts=None, inplace=None, pace=None, exact=None):
     r = _numerics.rounding(platform, ctx.avals_in[0].dtype)
     return (("mean", mean), ("prescale", prescale), ("scale", scale), ("residual", residual),
             ("contract", r.contract and scale), ("narrow_each_op", r.narrow_each_op), ("tie", tie))

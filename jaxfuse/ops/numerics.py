@@ -4,7 +4,7 @@ round the same way (csrc/epilogue_scalar.h has the arithmetic).
 `contract`: `v * s + t` is one fused multiply-add. `narrow_each_op`: float16 /
 bfloat16 round to the narrow type after every operation (otherwise: computed
 in float32, rounded once). Each entry says where it comes from; the tests in
-tests/test_epilogue_numerics.py (CPU) and tests/test_gpu.py (CUDA) compare the
+tests/ops/test_epilogue_numerics.py (CPU) and tests/ops/test_gpu.py (CUDA) compare the
 kernel with XLA on that platform and fail when an entry is wrong.
 """
 
@@ -57,11 +57,11 @@ def cpu_contracts_here() -> bool:
 # bits with and without a fusion barrier between mul and add: no contraction.
 _CUDA_F32 = Rounding(False, True, "measured on XLA:GPU, H200, jax 0.11.2")
 # Not yet measured on a GPU: float64 assumed like float32; float16/bfloat16
-# assumed rounded per operation like XLA:CPU. tests/test_gpu.py checks both.
-_CUDA_OTHER = Rounding(False, True, "assumed (like float32 / like XLA:CPU); checked by tests/test_gpu.py")
+# assumed rounded per operation like XLA:CPU. tests/ops/test_gpu.py checks both.
+_CUDA_OTHER = Rounding(False, True, "assumed (like float32 / like XLA:CPU); checked by tests/ops/test_gpu.py")
 
 
-# Measured (jax 0.11.2, XLA:CPU targeting AVX-512; tests/test_epilogue.py and
+# Measured (jax 0.11.2, XLA:CPU targeting AVX-512; tests/ops/test_epilogue.py and
 # benchmarks/results/cpu-avx512-position-rounding-2026-12-03.txt): where a
 # per-channel operand repeats along the rows while varying along an innermost
 # dimension of 3 or 7, LLVM vectorizes XLA's loop across groups of rows, with a

@@ -16,10 +16,14 @@ tie rule needs and cannot recover from the output alone.
 Shared contract:
   * all operands share one served dtype;
   * `site_facts` (optional) is what the pass's cost model recorded about the
-    site (`rewrite.cost.SiteFacts`); the lowering decides with it, per
+    site (`ops.facts.SiteFacts`); the lowering decides with it, per
     platform, whether the kernel pays;
   * `pace` (optional) False: the program's own XLA work already runs it on
     XLA:CPU's thread pool, so the call needs no pacing value (jaxfuse/fusion/policy/pacing.py);
+  * `exact` (optional) False: the pass fused the site under `exact=False`, so
+    the kernel is used even where XLA's own loop would round some elements
+    differently (by position; ops/numerics.py); at most one rounding of each
+    product per element either way;
   * `inplace` (optional) is the position of a full-size operand whose buffer
     nothing reads afterwards: the kernel may write its result there (elementwise,
     so reading and writing the same element in one step is safe);
@@ -55,6 +59,7 @@ MAXIMUM_GRAD_AT_ZERO = 0.5  # lax.max / jnp.maximum: ties split the gradient
 add_relu_p = Primitive("jaxfuse_add_relu")
 epilogue_p = Primitive("jaxfuse_epilogue")
 epilogue_p.multiple_results = True
+FUSED = (add_relu_p, epilogue_p)  # the primitives the pass fuses sites into
 
 
 def _served_names() -> str:
@@ -134,7 +139,7 @@ def _add_relu_abstract_eval(a, b, *, grad_at_zero, site_facts=None, inplace=None
 
 
 def _epilogue_abstract_eval(*avals, mean, scale, residual, tie, grad_at_zero, prescale=False,
-                            site_facts=None, inplace=None, pace=None):
+                            site_facts=None, inplace=None, pace=None, exact=None):
     labels = epilogue_labels(mean=mean, prescale=prescale, scale=scale, residual=residual)
     if len(avals) != len(labels):
         raise TypeError(f"jaxfuse epilogue: expected operands {labels}, got {len(avals)}")
@@ -177,7 +182,7 @@ def add_relu_reference(a, b):
 
 
 def epilogue_reference(*operands, mean, scale, residual, tie, grad_at_zero=None, prescale=False,
-                       site_facts=None, inplace=None, pace=None):
+                       site_facts=None, inplace=None, pace=None, exact=None):
     """The unfused definition of `epilogue_p` (XLA fuses and rounds it its own way)."""
     v = preactivation(*operands, mean=mean, prescale=prescale, scale=scale, residual=residual)
     zero = lax.full((), 0, v.dtype)

@@ -111,7 +111,7 @@ def _partition_shardings(mesh, arg_shapes, out_shape, out_sharding):
 # Elements of the pacing value: its flops (one multiply each) must outweigh
 # XLA:CPU's inline threshold (1000) plus the -1 it counts per custom call.
 PACING_ELEMENTS = 2048
-# The temp bytes XLA:CPU reports for the pacing value (tests/test_pacing.py):
+# The temp bytes XLA:CPU reports for the pacing value (tests/fusion/policy/test_pacing.py):
 # all a program that is one paced call holds beyond XLA's own.
 PACING_TEMP_BYTES = 256
 

@@ -28,7 +28,7 @@ The implementation is chosen per match (`implementation`): cuDNN's fused
 kernel on an NVIDIA GPU where its preconditions hold, XLA's path elsewhere.
 Masks are bool (a float mask means `mask != 0`, as `jnp.where` reads it).
 Values agree with the hand-written form within float32 rounding
-(tests/test_attention_rule.py); the gradient is jax.nn's.
+(tests/rules/test_attention.py); the gradient is jax.nn's.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from .. import _compat as C
 from ..fusion.match.rule_engine import rule
-from ..fusion.target import target_platform
+from ..fusion.ir.target import target_platform
 
 _B, _T, _N, _H = 2, 8, 4, 16  # example shapes the spellings are first traced at
 

@@ -11,6 +11,7 @@ import jax
 
 from ... import _compat as C
 from .canonical import FOLDABLE, fold
+from .xla import SHAPE_ONLY
 
 # Equations that only reshape or retype a constant: looking through them keeps
 # its value known (a broadcast zero is still zero, int 0 converts to +0.0).
@@ -23,7 +24,7 @@ _CONST_PRESERVING = {
     # shard_map marks a replicated constant as varying over manual axes: same value
     "pvary": lambda v, p: v,
 }
-
+assert frozenset(_CONST_PRESERVING) == SHAPE_ONLY  # the set is xla.py's; this adds the values
 
 _FOLD_DEPTH = 8
 

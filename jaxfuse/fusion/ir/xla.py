@@ -13,7 +13,11 @@ from ... import _compat as C
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims"})
 """Move no data: the result is the operand's elements in the same order."""
 
-LAYOUT = VIEWS | frozenset({"broadcast_in_dim", "transpose"})
+REPEATS = VIEWS | frozenset({"broadcast_in_dim"})
+"""Move no data or repeat the operand's elements in order: a constant seen
+through these is the same constant (splat or not)."""
+
+LAYOUT = REPEATS | frozenset({"transpose"})
 """Rearrange or repeat an operand's elements without changing any."""
 
 SAME_VALUES = LAYOUT | frozenset({"copy", "pvary"})

@@ -24,6 +24,7 @@ import dataclasses
 from typing import Callable, Iterator, Mapping
 
 from ..ir.graph import Graph
+from ..ir.xla import COMMUTATIVE, broadcast_view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,27 +159,13 @@ def _match_all(nodes, atoms, graph, state):
 
 
 def _through_size1_broadcast(atom, graph: Graph) -> Operand | None:
-    """`broadcast_in_dim(v)` that a kernel can read as `v` with size-1 dims:
-    dimensions kept in order, each of v's dims of the output's size or 1."""
+    """`broadcast_in_dim(v)` that a kernel can read as `v` with size-1 dims
+    (`xla.broadcast_view`), unless that view is the output's shape itself."""
     eqn = graph.producer(atom)
-    if eqn is None or eqn.primitive.name != "broadcast_in_dim" or eqn.effects:
-        return None
-    if len(eqn.invars) != 1:
-        return None
-    src = eqn.invars[0]
-    dims = tuple(eqn.params["broadcast_dimensions"])
-    in_shape = tuple(src.aval.shape)
-    out_shape = tuple(eqn.params["shape"])
-    if list(dims) != sorted(dims) or len(set(dims)) != len(dims):
-        return None
-    view = [1] * len(out_shape)
-    for d, size in zip(dims, in_shape):
-        if size not in (1, out_shape[d]):
-            return None
-        view[d] = size
-    if tuple(view) == out_shape:
-        return None  # a plain reshape: nothing to save
-    return Operand(src, tuple(view), via=eqn)
+    view = broadcast_view(eqn) if eqn is not None else None
+    if view is None or view == tuple(eqn.params["shape"]):
+        return None  # not such a broadcast, or a plain reshape: nothing to save
+    return Operand(eqn.invars[0], view, via=eqn)
 
 
 # ------------------------------------------------------------- tree builders
@@ -186,16 +173,21 @@ def operand(name: str) -> Leaf:
     return Leaf(name)
 
 
+def op(name: str, *args: Node, tag: str | None = None) -> Op:
+    """The primitive `name` applied to `args` (either operand order where it commutes)."""
+    return Op(name, tuple(args), commutative=name in COMMUTATIVE, tag=tag)
+
+
 def add(a: Node, b: Node, tag: str | None = None) -> Op:
-    return Op("add", (a, b), commutative=True, tag=tag)
+    return op("add", a, b, tag=tag)
 
 
 def mul(a: Node, b: Node, tag: str | None = None) -> Op:
-    return Op("mul", (a, b), commutative=True, tag=tag)
+    return op("mul", a, b, tag=tag)
 
 
 def sub(a: Node, b: Node, tag: str | None = None) -> Op:
-    return Op("sub", (a, b), tag=tag)
+    return op("sub", a, b, tag=tag)
 
 
 def zero_plus(a: Node) -> ZeroPlus:

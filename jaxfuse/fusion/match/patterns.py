@@ -61,6 +61,10 @@ class Match:
     dead_operands: tuple = ()
     """Positions of the operands whose buffers nothing reads after the
     replacement (it may write its result into one)."""
+    exact: bool = True
+    """False where the site was declined only to keep jit's bits and the walk
+    fuses it anyway (`optimize(..., exact=False)`): the replacement may round
+    as the fused op does."""
 
     def __post_init__(self):
         if not self.outputs:
@@ -78,7 +82,9 @@ class Pattern:
     name: str
     """The pattern's name, as `explain` shows it."""
     match: Callable[[C.JaxprEqn, Any], Match | None]
-    check: Callable[[Match, Any], str | None]
+    check: Callable[[Match, Any], Any]
+    """`check(match, graph)`: why the site must be left alone (a `Reason` or a
+    string), or None."""
     build: Callable[[Match, Any], Sequence[C.JaxprEqn]]
     roots: frozenset | None = None
     """Primitive names a match can be rooted at; None offers every equation."""
@@ -86,6 +92,13 @@ class Pattern:
     barrier: bool = False
     """The replacement is an opaque call, a fusion barrier to XLA: the cost
     model (`policy="auto"`) decides whether it pays off."""
+    cost: Callable[[Match, Any], Any] | None = None
+    """`cost(match, graph)`: why applying this (non-barrier) pattern at a match
+    would not pay (a `Reason` or a string), or None; asked under
+    `policy="auto"` only (a rule's `cost=`)."""
+    form: str = ""
+    """What a barrier pattern's kernel reads besides `x` ("plain", "scale_shift",
+    "batchnorm", "residual"): the cost model's thresholds are measured per form."""
     needs: frozenset | None = None
     """Primitive names that must all appear in a jaxpr (its small `jit` calls
     inlined) for a match to be possible there: the walker does not offer the

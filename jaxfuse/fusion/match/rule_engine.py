@@ -48,13 +48,13 @@ import jax
 from ... import _compat as C
 from ..ir.canonical import close_to_reciprocal, contraction
 from ..ir.graph import Graph, output_index
+from ..ir.inline import inline_small_calls
+from ..ir.target import target_platform
+from ..ir.xla import COMMUTATIVE, SHAPE_ONLY
 from .patterns import Match, Pattern
-from ..target import target_platform
 
-# Steps that only change how a value is laid out or typed, not its elements.
-_SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-                         "convert_element_type", "pvary"})
-_COMMUTATIVE = frozenset({"add", "add_any", "mul", "max", "min", "and", "or", "xor", "eq", "ne"})
+_SHAPE_ONLY = SHAPE_ONLY
+_COMMUTATIVE = COMMUTATIVE
 # custom_jvp/custom_vjp params that are per-trace callables: two calls are the
 # same when their bodies and the function they came from are.
 _RULE_PARAMS = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "jvp", "fwd_jaxpr_thunk", "bwd",
@@ -116,11 +116,9 @@ def _describe(avals) -> str:
 
 
 def _trace(fun, avals) -> _Template:
-    from .walker import _inline_small_calls  # the walker's own view, so both sides look alike
-
     closed = jax.make_jaxpr(fun)(*avals)
     jaxpr = closed.jaxpr
-    view, _, _ = _inline_small_calls(list(jaxpr.eqns))
+    view, _, _ = inline_small_calls(list(jaxpr.eqns))  # the walker's own view of the program
     return _Template(C.replace_eqns(jaxpr, view), dict(zip(jaxpr.constvars, closed.consts)))
 
 

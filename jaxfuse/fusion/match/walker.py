@@ -14,37 +14,64 @@ reach through them; a call is put back unchanged when no match used it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ... import _compat as C
-from ..safety import rounding as contraction
+from ..._reasons import Reason, ReasonKind, as_reason
 from ..ir import subjaxprs
 from ..ir.graph import Graph
+from ..ir.inline import inline_small_calls, restore_unused_calls
+from ..ir.products import feeds
+from ..ir.sites import Site, Skipped
 from .patterns import Match, Pattern
-from ..report.report import Report, Site, Skipped
 
-_INLINE_MAX_EQNS = 16
+# What no pattern may do (`_structural_reason`), and where a match cannot go.
+OPERAND_INSIDE = ReasonKind(
+    "operand-inside", "an operand is the `{culprit}` result the fused region itself computes")
+OVERLAP = ReasonKind("overlap", "overlaps another rewrite at `{culprit}`")
+EFFECTS = ReasonKind("effects", "`{culprit}` has effects")
+JAXPR_OUTPUT = ReasonKind("jaxpr-output", "the `{culprit}` result is also an output of the jaxpr",
+                          blame="readers")
+SECOND_READER = ReasonKind(
+    "second-reader", "the `{culprit}` result has {uses} uses; {outside} outside the fused region",
+    blame="readers")
+OPAQUE = ReasonKind(
+    "opaque-primitive",
+    "inside unknown higher-order primitive `{culprit}`, which the pass does not descend into")
+OPERAND_AFTER = ReasonKind(
+    "operand-after",
+    "an operand is computed after the `{culprit}` whose result the replacement must define")
 
 
-def rewrite(closed: C.ClosedJaxpr, patterns: Sequence[Pattern],
-            origin: tuple[str, int] | None = None, *, cost=None) -> tuple[C.ClosedJaxpr, Report]:
-    """Returns the rewritten ClosedJaxpr and a report of every candidate site.
+class Walked(NamedTuple):
+    """One walk's result: the rewritten program and every candidate site."""
+
+    jaxpr: C.ClosedJaxpr
+    sites: list
+    skipped: list
+
+
+def walk(closed: C.ClosedJaxpr, patterns: Sequence[Pattern],
+         origin: tuple[str, int] | None = None, *, cost=None, exact: bool = True) -> Walked:
+    """The rewritten ClosedJaxpr and every candidate site, fused or not.
 
     `origin`: (file, line) to report for sites whose source info holds no user
     frame (typically where the traced function was defined). `cost`: the cost
-    model deciding barrier patterns (`cost.CostModel`); None fuses every safe site.
+    model deciding barrier patterns (`policy.cost.CostModel`); None fuses every
+    safe site. `exact=False` also fuses the sites declined only to keep jit's
+    bits (a reason whose kind is `exact_only`).
     """
-    walk = _Walk(patterns, origin, cost)
-    new, sites, skipped = walk.body(closed, None, None)
-    return new, Report([s.rebased("", ()) for s in sites], [k.rebased("", ()) for k in skipped],
-                       new, policy=getattr(cost, "policy", "always"),
-                       platform=getattr(cost, "platform", None))
+    w = _Walk(patterns, origin, cost, exact)
+    new, sites, skipped = w.body(closed, None, None)
+    return Walked(new, [s.rebased("", ()) for s in sites], [k.rebased("", ()) for k in skipped])
 
 
 class _Walk:
-    def __init__(self, patterns: Sequence[Pattern], origin=None, cost=None):
+    def __init__(self, patterns: Sequence[Pattern], origin=None, cost=None, exact=True):
         self.origin = origin
         self.cost = cost
+        self.exact = exact
+        self.probes = 0  # conv-band sites numbered so far, for the probe (policy/probe.py)
         self.by_root: dict[str, list[Pattern]] = {}
         self.any_root: list[Pattern] = []
         for p in patterns:
@@ -84,7 +111,7 @@ class _Walk:
         def visit(b, seg, freeze):
             inner = self.cost.context_for(eqn, b, graph(), context) if self.cost is not None else None
             new, inner_sites, inner_skipped = self.body(b, freeze, inner, subjaxprs.carries(eqn, b),
-                                                        contraction.feeds(eqn, b, graph))
+                                                        feeds(eqn, b, graph))
             sites.extend(s.rebased(seg, (eqn.source_info,)) for s in inner_sites)
             skipped.extend(k.rebased(seg, (eqn.source_info,)) for k in inner_skipped)
             return new
@@ -115,7 +142,7 @@ class _Walk:
             new = self.descend(eqn, graph, opaque, context, sites, skipped)
             changed |= new is not eqn
             eqns.append(new)
-        view_eqns, groups, inlined = _inline_small_calls(eqns)
+        view_eqns, groups, inlined = inline_small_calls(eqns)
         present = {e.primitive.name for e in view_eqns}
         by_root, any_root = self._patterns_needing(present)
         roots = [e for e in view_eqns if any_root or e.primitive.name in by_root]
@@ -127,7 +154,7 @@ class _Walk:
                 graph, roots, lambda e: [*by_root.get(e.primitive.name, ()), *any_root],
                 opaque, context, sites, carried)
             if replaced is not None:
-                return C.replace_eqns(jaxpr, _restore_unused_calls(replaced, groups)), sites, skipped
+                return C.replace_eqns(jaxpr, restore_unused_calls(replaced, groups)), sites, skipped
         return (C.replace_eqns(jaxpr, eqns) if changed else jaxpr), sites, skipped
 
     # --------------------------------------------------------------- matching
@@ -157,15 +184,20 @@ class _Walk:
                     m = _with_root(m)
                     if _inside_one_call(m, graph):
                         break  # the call's own body was walked: its sites are reported there
-                    reason = (pattern.check(m, graph)
-                              or _structural_reason(m, graph, absorbed)
-                              or (f"inside unknown higher-order primitive `{opaque}`, "
-                                  f"which the pass does not descend into" if opaque else None))
+                    reason = as_reason(pattern.check(m, graph))
+                    if reason is not None and reason.kind.exact_only and not self.exact:
+                        m = dataclasses.replace(m, exact=False)  # rounds as the fused op does
+                        reason = None
+                    reason = (reason or _structural_reason(m, graph, absorbed)
+                              or (OPAQUE(opaque) if opaque else None))
                     cost_reason = None
                     if reason is None and pattern.barrier and self.cost is not None:
-                        cost_reason, facts = self.cost.evaluate(m, graph, context, pattern.name)
+                        cost_reason, facts = self.cost.evaluate(m, graph, context, pattern,
+                                                                self._next_probe)
                         if facts is not None:
                             m = dataclasses.replace(m, cost=facts)
+                    elif reason is None and self.cost is not None:
+                        cost_reason = as_reason(self.cost.evaluate_rule(m, graph, pattern))
                     if reason is None and cost_reason is None:
                         where, reason = _placement(m, graph)
                     if reason is None and cost_reason is None:
@@ -198,19 +230,24 @@ class _Walk:
                 out.append(eqn)
         return _drop_dead(out, graph)
 
+    def _next_probe(self) -> int:
+        number, self.probes = self.probes, self.probes + 1
+        return number
+
     def _site(self, pattern, m: Match, reason, alternatives=(), for_cost=False):
         avals = [getattr(a, "aval", None) for a in m.operands]
         return Site(
             pattern=pattern.name,
             fused=reason is None,
-            reason=reason,
+            why=as_reason(reason),
             spelling=m.spelling,
             path="",
             shapes=tuple(tuple(getattr(a, "shape", ())) for a in avals),
             dtypes=tuple(str(getattr(a, "dtype", "?")) for a in avals),
             out_shape=tuple(m.root.outvars[0].aval.shape) if m.root.outvars else (),
             declined_for_cost=bool(for_cost),
-            alternatives=tuple((p.name, r) for p, _, r, _ in alternatives),
+            barrier=pattern.barrier,
+            alternatives=tuple((p.name, as_reason(r)) for p, _, r, _ in alternatives),
             cost=m.cost,
             # The root first, then what it absorbed.
             _sources=(m.root.source_info, *(e.source_info for e in m.eqns)),
@@ -239,7 +276,7 @@ def _with_root(m: Match) -> Match:
     return dataclasses.replace(m, eqns=(*m.eqns, m.root))
 
 
-def _structural_reason(m: Match, graph: Graph, absorbed: set) -> str | None:
+def _structural_reason(m: Match, graph: Graph, absorbed: set) -> Reason | None:
     """Declines what no pattern may do: absorb a value someone else still reads
     (unless the replacement defines it), absorb an effect, or absorb an
     equation another rewrite already took."""
@@ -249,29 +286,27 @@ def _structural_reason(m: Match, graph: Graph, absorbed: set) -> str | None:
     for a in m.operands:
         prod = graph.producer(a)
         if prod is not None and id(prod) in inside_eqns and id(prod) not in shared:
-            return (f"an operand is the `{prod.primitive.name}` result the fused region "
-                    f"itself computes")
+            return OPERAND_INSIDE(prod.primitive.name)
     for e in m.eqns:
         name = e.primitive.name
         if id(e) in absorbed:
-            return f"overlaps another rewrite at `{name}`"
+            return OVERLAP(name)
         if id(e) in shared:
             if e.effects:
-                return f"`{name}` has effects"
+                return EFFECTS(name)
             continue
         if e is not m.root and e.effects:
-            return f"`{name}` has effects"
+            return EFFECTS(name)
         for v in e.outvars:
             if id(v) in outputs or not C.is_var(v) or type(v).__name__ == "DropVar":
                 continue
             if graph.is_output(v):
-                return f"the `{name}` result is also an output of the jaxpr"
+                return JAXPR_OUTPUT(name)
             total = graph.uses(v)
             inside = sum(1 for x in graph.users(v) if id(x) in inside_eqns
                          for a in x.invars if a is v)
             if total != inside:
-                return (f"the `{name}` result has {total} uses; "
-                        f"{total - inside} outside the fused region")
+                return SECOND_READER(name, uses=total, outside=total - inside)
     return None
 
 
@@ -292,7 +327,7 @@ def _dead_operands(m: Match, graph: Graph, carried) -> tuple:
     return tuple(dead)
 
 
-def _placement(m: Match, graph: Graph) -> tuple[int, str | None]:
+def _placement(m: Match, graph: Graph) -> tuple[int, Reason | None]:
     """Where the replacement goes: at the first absorbed equation that defines
     one of its outputs, which must come after every operand's definition."""
     outputs = {id(v) for v in m.outputs}
@@ -302,8 +337,7 @@ def _placement(m: Match, graph: Graph) -> tuple[int, str | None]:
     for a in m.operands:
         prod = graph.producer(a)
         if prod is not None and graph.position(prod) >= where:
-            return where, (f"an operand is computed after the `{graph.eqns[where].primitive.name}` "
-                           f"whose result the replacement must define")
+            return where, OPERAND_AFTER(graph.eqns[where].primitive.name)
     return where, None
 
 
@@ -336,85 +370,3 @@ def _drop_dead(eqns, graph: Graph):
             return eqns
         drop = {id(e) for e in dead}
         eqns = [e for e in eqns if id(e) not in drop]
-
-
-# ----------------------------------------------------------------- inlining
-def _inline_small_calls(eqns):
-    """(view equations, groups, inlined names): each small unconstrained jit
-    call replaced by a fresh copy of its body, for matching across it."""
-    view, groups, names = [], [], {}
-    for eqn in eqns:
-        body = _inlinable(eqn)
-        if body is None:
-            view.append(eqn)
-            continue
-        copy = _renamed_body(eqn, body)
-        if copy is None:
-            view.append(eqn)
-            continue
-        for e in copy:
-            names[id(e)] = (len(groups), eqn.params.get("name", "?"))
-        groups.append((eqn, copy))
-        view.extend(copy)
-    return view, groups, names
-
-
-def _inlinable(eqn):
-    if eqn.primitive.name not in C.JIT_NAMES or C.jit_constraints(eqn.params):
-        return None
-    closed = eqn.params.get("jaxpr")
-    body = getattr(closed, "jaxpr", None)
-    if body is None or getattr(closed, "consts", ()) or body.constvars:
-        return None
-    if len(body.eqns) > _INLINE_MAX_EQNS or body.effects:
-        return None
-    return body
-
-
-def _renamed_body(eqn, body):
-    """The body's equations with its invars bound to the call's operands, its
-    outvars renamed to the call's results and every other variable fresh."""
-    produced = {id(v) for e in body.eqns for v in e.outvars}
-    outs = body.outvars
-    if (len({id(v) for v in outs}) != len(outs)
-            or not all(C.is_var(v) and id(v) in produced for v in outs)):
-        return None  # a passthrough or literal result has no equation to carry it
-    env = {id(v): a for v, a in zip(body.invars, eqn.invars)}
-    env.update({id(v): w for v, w in zip(outs, eqn.outvars)})
-
-    def atom(a):
-        if not C.is_var(a):
-            return a
-        if id(a) not in env:
-            env[id(a)] = C.new_var(a.aval)
-        return env[id(a)]
-
-    return [C.replace_vars(e, [atom(a) for a in e.invars], [atom(v) for v in e.outvars])
-            for e in body.eqns]
-
-
-def _restore_unused_calls(eqns, groups):
-    """Puts back every inlined call none of whose equations a rewrite used (and
-    none of whose inner values a rewrite reads)."""
-    present = {id(e) for e in eqns}
-    readers: dict[int, set] = {}  # variable id -> ids of the equations reading it
-    for e in eqns:
-        for a in e.invars:
-            readers.setdefault(id(a), set()).add(id(e))
-    out, done = [], set()
-    first = {}
-    for call, copy in groups:
-        if not all(id(e) in present for e in copy):
-            continue
-        mine = {id(e) for e in copy}
-        inner = {id(v) for e in copy for v in e.outvars} - {id(v) for v in call.outvars}
-        if any(readers.get(v, frozenset()) - mine for v in inner):
-            continue
-        first[id(copy[0])] = call
-        done.update(mine)
-    for e in eqns:
-        if id(e) in first:
-            out.append(first[id(e)])
-        elif id(e) not in done:
-            out.append(e)
-    return out

@@ -34,7 +34,9 @@ import numpy as np
 from ...ops.primitive import add_relu_p, check_broadcast, epilogue_labels, epilogue_p
 
 from ... import _compat as C
-from ..safety import rounding as contraction
+from ..._reasons import ReasonKind, message
+from ..ir.xla import REPEATS
+from ..safety import rounding
 from . import masks as M
 from ..match.dsl import add, matches, mul, operand, required_primitives, sub, zero_plus
 from ..ir.graph import Graph
@@ -55,6 +57,13 @@ class Spec:
     residual: bool
     doc: str
     prescale: bool = False
+
+    @property
+    def form(self) -> str:
+        """What the kernel reads besides `x`, as the cost model's thresholds are
+        measured: "residual", "batchnorm" (a mean), "scale_shift" or "plain"."""
+        return ("residual" if self.residual else "batchnorm" if self.mean
+                else "scale_shift" if self.scale else "plain")
 
     @property
     def labels(self):
@@ -140,7 +149,16 @@ def _read_outside(eqn, graph, inside) -> bool:
 # counts as an add, and constants that differ element to element are left
 # alone). A site holding the outer op would round `a + c1` first.
 _REASSOCIATED = ({"add", "sub", "add_any"}, {"mul"})
-_SEE_THROUGH = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
+
+REASSOCIATED = ReasonKind(
+    "reassociated-constants",
+    "XLA folds the constants of `(a {op} c1) {op} c2` into `a {op} (c1 {op} c2)`, rounding once "
+    "where the fused op would round `a {op} c1` first", exact_only=True)
+OPERAND_CONTRACT = message("operand-contract")  # the fused op's own check's words
+RELU_CHANGES_TYPE = ReasonKind(
+    "relu-changes-type", "the ReLU changes its operand's type from {before} to {after}")
+RELU_CHANGES_WEAK_TYPE = ReasonKind(
+    "relu-changes-weak-type", "the ReLU changes its operand's weak type")
 
 
 def _splat_constant(atom, graph: Graph) -> bool:
@@ -150,12 +168,12 @@ def _splat_constant(atom, graph: Graph) -> bool:
 
 def _producer_seen_through(atom, graph: Graph):
     eqn = graph.producer(atom)
-    while eqn is not None and eqn.primitive.name in _SEE_THROUGH:
+    while eqn is not None and eqn.primitive.name in REPEATS:
         eqn = graph.producer(eqn.invars[0])
     return eqn
 
 
-def reassociated_constants(mt: Match, graph: Graph) -> str | None:
+def reassociated_constants(mt: Match, graph: Graph):
     """Why XLA would compute one of the site's ops differently: it folds the
     op's constant into the constant of the same kind of op producing its other
     operand (None: no such pair)."""
@@ -169,13 +187,11 @@ def reassociated_constants(mt: Match, graph: Graph) -> str | None:
             inner = _producer_seen_through(a, graph)
             if (inner is not None and inner.primitive.name in group
                     and any(_splat_constant(b, graph) for b in inner.invars)):
-                op = "+" if "add" in group else "*"
-                return (f"XLA folds the constants of `(a {op} c1) {op} c2` into `a {op} (c1 {op} c2)`, "
-                        f"rounding once where the fused op would round `a {op} c1` first")
+                return REASSOCIATED(eqn.primitive.name, op="+" if "add" in group else "*")
     return None
 
 
-def check(mt: Match, graph: Graph) -> str | None:
+def check(mt: Match, graph: Graph):
     spec, sp, operands = mt.info["spec"], mt.info["relu"], mt.info["operands"]
     if sp.decline:
         return sp.decline
@@ -185,13 +201,13 @@ def check(mt: Match, graph: Graph) -> str | None:
     try:  # the fused op's own operand contract, its message as the reason
         check_broadcast("", [(n, o.shape, o.aval.dtype) for n, o in zip(spec.labels, operands)])
     except (TypeError, ValueError) as e:
-        return str(e).removeprefix(": ")
+        return OPERAND_CONTRACT(text=str(e).removeprefix(": "))
     y, out = sp.operand.aval, mt.root.outvars[0].aval
     if (tuple(out.shape), out.dtype) != (tuple(y.shape), y.dtype):
-        return f"the ReLU changes its operand's type from {y.str_short()} to {out.str_short()}"
+        return RELU_CHANGES_TYPE(before=y.str_short(), after=out.str_short())
     if getattr(out, "weak_type", False) != getattr(y, "weak_type", False):
-        return "the ReLU changes its operand's weak type"
-    return contraction.site_reason(spec.labels, operands, spec.addends, spec.factors, y, graph)
+        return RELU_CHANGES_WEAK_TYPE()
+    return rounding.site_reason(spec.labels, operands, spec.addends, spec.factors, y, graph)
 
 
 def build(mt: Match, graph: Graph):
@@ -225,6 +241,8 @@ def build(mt: Match, graph: Graph):
                     and tuple(mt.info["operands"][k].shape) == tuple(out.aval.shape)), None)
     # Optional params are left out when unset, so a plain site's params stay minimal.
     optional = {k: v for k, v in (("site_facts", mt.cost), ("inplace", inplace)) if v is not None}
+    if not mt.exact and spec.name != "add_relu":
+        optional["exact"] = False  # the lowering keeps the kernel where XLA rounds by position
     if spec.name == "add_relu" and not needs_tie:
         params = {"grad_at_zero": sp.grad_at_zero, **optional}
         eqns.append(C.new_eqn(atoms, [out], add_relu_p, params, like=like, effects=effects))
@@ -240,7 +258,7 @@ def build(mt: Match, graph: Graph):
 
 PATTERNS = tuple(
     Pattern(f.name, _candidates(f), check, build, roots=ROOTS, doc=f.doc, barrier=True,
-            needs=required_primitives(f.tree))
+            needs=required_primitives(f.tree), form=f.form)
     for f in SPECS)
 
 __all__ = ["SPECS", "PATTERNS"]

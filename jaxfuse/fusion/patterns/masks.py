@@ -16,7 +16,7 @@ where recomputing `v` would read every operand again):
   v <  0  ==  out == 0 and not tie
   ne(v, out) == not (out > 0 or tie)  (v < 0 or v NaN: NaN != NaN)
 
-tests/test_masks.py checks every row on NaN, +-inf, +-0 and denormals.
+tests/fusion/patterns/test_masks.py checks every row on NaN, +-inf, +-0 and denormals.
 """
 
 from __future__ import annotations

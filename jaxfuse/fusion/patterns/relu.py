@@ -28,6 +28,7 @@ import jax
 from ...ops.primitive import MAXIMUM_GRAD_AT_ZERO, RELU_GRAD_AT_ZERO
 
 from ... import _compat as C
+from ..._reasons import Reason, ReasonKind
 from ..match.dsl import Custom, Node
 from ..ir.graph import Graph
 
@@ -42,7 +43,7 @@ class Spelling:
     operand: object          # the atom the ReLU is applied to
     grad_at_zero: float
     text: str
-    decline: str | None = None
+    decline: Reason | None = None
     extra: tuple = ()        # zero-building equations that die with the ReLU
 
 
@@ -58,7 +59,15 @@ def spelling(eqn, graph: Graph) -> Spelling | None:
     return None
 
 
-def _is_positive_zero(value: np.ndarray) -> tuple[bool, str | None]:
+NEGATIVE_ZERO = ReasonKind("negative-zero", "the zero operand of max is -0.0, not +0.0")
+OWN_DERIVATIVE = ReasonKind(
+    "own-derivative",
+    "`{culprit}` is a custom_jvp function with its own derivative rule, which fusing would replace")
+PINNED_JIT = ReasonKind(
+    "pinned-jit", "the jit[{culprit}] around the ReLU {pinned}, which fusing across it would drop")
+
+
+def _is_positive_zero(value: np.ndarray) -> tuple[bool, Reason | None]:
     """(is it a zero, why a max with it is still no ReLU the kernel can serve)."""
     if value.size == 0 or not np.all(value == 0):
         return False, None
@@ -66,7 +75,7 @@ def _is_positive_zero(value: np.ndarray) -> tuple[bool, str | None]:
         return True, None  # an integer or complex zero: the dtype check declines it
     if np.any(np.signbit(value.astype(np.float32))):
         # max(y, -0.0) may return -0.0 where the kernel returns +0.0.
-        return True, "the zero operand of max is -0.0, not +0.0"
+        return True, NEGATIVE_ZERO()
     return True, None
 
 
@@ -124,8 +133,7 @@ def _custom_jvp_relu(eqn, graph):
     fname = origin[0] if origin else "?"
     return dataclasses.replace(
         inner, text=f"custom_jvp {fname}",
-        decline=inner.decline or f"`{fname}` is a custom_jvp function with its own "
-                                 f"derivative rule, which fusing would replace")
+        decline=inner.decline or OWN_DERIVATIVE(fname))
 
 
 def _jit_relu(eqn, graph):
@@ -136,8 +144,7 @@ def _jit_relu(eqn, graph):
     text = "jnp.clip(y, 0)" if name == "clip" else (
         inner.text if inner.text == "jax.nn.relu" else f"jit[{name}]({inner.text})")
     pinned = C.jit_constraints(eqn.params)
-    decline = inner.decline or (f"the jit[{name}] around the ReLU {pinned}, "
-                                f"which fusing across it would drop" if pinned else None)
+    decline = inner.decline or (PINNED_JIT(name, pinned=pinned) if pinned else None)
     return dataclasses.replace(inner, text=text, decline=decline)
 
 

@@ -1,20 +1,11 @@
-"""Whether a rewritten program needs its CPU calls paced.
+"""Which fused CPU calls of a rewritten program need no pacing value.
 
-XLA:CPU runs a program it estimates under 1000 flops inline on the thread
-that dispatched it, and counts a custom call as -1 flops, so a program of
-kernel calls alone would run inline where XLA's own fusion runs on its pool.
-Inline, outputs are allocated and freed in step with the caller's loop, and
-the allocator can hand back pages it has just returned to the system, so
-every page faults again. So a large CPU call is handed a *pacing value*
-(`paced`): a scalar XLA computes (`_sharding.pacing_value`), work XLA counts,
-which puts the program on the pool as XLA's own is. The threshold and the
-losses it avoids: benchmarks/results/cpu-pacing-loop-2026-12-01.txt and
-benchmarks/probes/pacing_loop.py.
-
-That value holds a few hundred bytes of temp memory where `jax.jit`'s program
-may hold none. A program whose own XLA work already passes the estimate runs
-on the pool anyway: its fused calls are marked `pace=False` (`settle`) and
-hold nothing extra.
+A large CPU call is handed a pacing value (ops/pacing.py) so that a program
+of kernel calls alone runs on XLA:CPU's pool, as XLA's own does. That value
+holds a few hundred bytes of temp memory where `jax.jit`'s program may hold
+none. A program whose own XLA work already passes XLA's estimate runs on the
+pool anyway: its fused calls are marked `pace=False` (`settle`) and hold
+nothing extra.
 
 The estimate here is a lower bound of what XLA counts (contractions, adds,
 multiplies, divides and sums; nothing else), so a program is only marked when
@@ -26,27 +17,12 @@ from __future__ import annotations
 import math
 
 from ... import _compat as C
-from ...ops.primitive import add_relu_p, epilogue_p
+from ...ops.primitive import FUSED
 from ..ir import subjaxprs
 
-FUSED = (add_relu_p, epilogue_p)  # the primitives a rewrite fuses into
-# Output bytes from which a CPU call is paced.
-CPU_MIN_OUTPUT_BYTES = 512 << 10
 # XLA:CPU's inline limit is 1000 estimated flops; a wide margin over it.
 _BUSY_FLOPS = 8 * 1000
 _ARITHMETIC = frozenset({"add", "sub", "mul", "div", "add_any"})
-
-
-def paced(platform: str, avals_in, avals_out, pace=None) -> bool:
-    """Whether a fused call gets a pacing value: on CPU, from
-    CPU_MIN_OUTPUT_BYTES of output, and not for symbolic shapes (their size is
-    unknown), nor where the rewrite found the program busy enough without
-    (`pace=False`, `settle`)."""
-    avals = (*avals_in, *avals_out)
-    if pace is False or platform != "cpu" or not all(isinstance(d, int) for a in avals for d in a.shape):
-        return False
-    out_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in avals_out)
-    return out_bytes >= CPU_MIN_OUTPUT_BYTES
 
 
 def _elements(aval) -> int | None:

@@ -27,10 +27,15 @@ import re
 import jax
 
 from ... import _compat as C
-from ..tuning import hlo_memory as library_memory, autotuner as tuning
-from . import memory, pacing
+from ...ops.facts import XLA_FUSES, give_back_to_xla
+from ...ops.lowering import PROBE_SCOPE, PROBING
 from ..ir import subjaxprs
-from .cost import PROBE_SCOPE, PROBING, XLA_FUSES_REASON, give_back_to_xla
+from ..match.walker import Walked
+from ..tuning import autotuner as tuning
+from ..tuning import hlo_memory as library_memory
+from . import memory, pacing
+from .cost import apply
+from .plan import Plan
 
 _COMPUTATION = re.compile(r"^(%[\w.\-]+)\s+\(", re.M)
 
@@ -61,87 +66,82 @@ def tagged_in_library_fusions(text: str) -> set[int]:
     return found
 
 
-def mark(closed: C.ClosedJaxpr, numbers: set[int]) -> C.ClosedJaxpr:
-    """`closed` with the probed sites `numbers` given back to XLA."""
+def mark(walked: Walked, numbers: set[int]) -> Walked:
+    """`walked` with the probed sites `numbers` given back to XLA: their fused
+    calls lower to XLA's own ops, and the walk's sites say why."""
     def give_back(eqn):
         facts = eqn.params.get("site_facts")
         return give_back_to_xla(eqn) if getattr(facts, "probe", -1) in numbers else None
 
-    return subjaxprs.map_eqns(closed, give_back)
+    sites = []
+    for site in walked.sites:
+        facts = site.cost
+        if site.fused and getattr(facts, "probe", -1) in numbers:
+            site = dataclasses.replace(site, fused=False, why=XLA_FUSES(), declined_for_cost=True,
+                                       cost=dataclasses.replace(facts, xla_fuses=True))
+        sites.append(site)
+    return Walked(subjaxprs.map_eqns(walked.jaxpr, give_back), sites, walked.skipped)
 
 
-def settle(closed, new, report, model, rewrite_again, *, patterns=(), tuner=None, time_it=False,
-           rewrite_all=None):
-    """After an `auto` rewrite (`new`, `report`, its cost model `model`) of
-    `closed`: probe its conv-band sites and settle those XLA fuses with their
-    neighbours. Giving them back keeps XLA's library fusion, which is not
-    always the faster program (splitting the one XLA grows over a ResNet-50's
-    last blocks and classifier can win; benchmarks/results/README.md), so the
-    programs are timed (`tuning.choose_among`, remembered on disk per program and
-    device) when `time_it` and the program can be run on stand-in data;
-    otherwise, or when a stored decision is not found by `explain`, they go
-    back. `rewrite_again(give_back)` reruns the rewrite declining them; its
-    result is taken when it declines exactly them, else `new` with them marked
-    (they lower to XLA's ops). `rewrite_all()`, where given, is the rewrite
-    with every safe site fused: a third candidate, since a fusion split at
-    some of its sites keeps the rest in a library fusion of its own, whose
-    workspace adds to the calls' buffers (memory.py). The timing compares
-    the candidates' memory with the sites given back; the one chosen, if not
-    that, is taken only if a call of it holds no more than jax.jit's program.
-    Returns (jaxpr, report)."""
-    if not model.probed:
-        return new, report
+def settle(closed, patterns, plan: Plan, walked, *, origin=None, tuner=None, time_it=False):
+    """(plan, walk) after an `auto` walk of `closed` under `plan`: its conv-band
+    sites probed, and those XLA fuses with their neighbours settled.
+
+    Giving them back keeps XLA's library fusion, which is not always the faster
+    program (splitting the one XLA grows over a ResNet-50's last blocks and
+    classifier can win; benchmarks/results/README.md), so the programs are
+    timed (`tuning.choose_among`, remembered on disk per program and device)
+    when `time_it` and the program can be run on stand-in data; otherwise, or
+    when a stored decision is not found by `explain`, they go back. The
+    candidates: the sites given back (the walk under a plan declining them;
+    where that walk does not decline exactly them, the first walk with them
+    marked to lower to XLA's ops), the sites kept, and every safe site fused
+    (a fusion split at some of its sites keeps the rest in a library fusion of
+    its own, whose workspace adds to the calls' buffers). The timing compares
+    their memory with the sites given back; the one chosen, if not that, is
+    taken only if a call of it peaks within jit's (memory.py)."""
+    if not any(s.cost is not None and s.cost.probe >= 0 for s in walked.sites):
+        return plan, walked
     tuner = tuner or tuning.SETTLING
-    numbers = _stored_library_fused(closed, new, patterns, tuner.cache)
+    numbers = _stored_library_fused(closed, walked.jaxpr, patterns, tuner.cache)
     if not numbers:
-        return new, report
-    again, again_report = rewrite_again(frozenset(numbers))
-    if not (_fused_numbers(again_report) == _fused_numbers(report) - numbers
-            and len(again_report.fused) == len(report.fused) - len(numbers)):
-        again = mark(new, numbers)
-        again_report = _marked_report(report, numbers, again)
-    # Timed as they will run: with the pacing their program settles on.
-    again, new = pacing.settle(again), pacing.settle(new)
+        return plan, walked
     n = len(numbers)
     sites = f"{n} site{'s' * (n != 1)} XLA:CPU fuses into a library fusion"
-    candidates = {"given_back": again, "kept": new}
-    every = every_report = None
-    if rewrite_all is not None:
-        every, every_report = rewrite_all()
-        every = pacing.settle(every)
-        candidates["every"] = every
+    back_plan = plan.giving_back(numbers)
+    back = apply(closed, patterns, back_plan, origin)
+    if not (_fused_numbers(back) == _fused_numbers(walked) - numbers
+            and _count_fused(back) == _count_fused(walked) - n):
+        back = mark(walked, numbers)
+    every = apply(closed, patterns, Plan("always", plan.platform, plan.exact), origin)
+    # Timed as they will run: with the pacing their program settles on.
+    candidates = {"given_back": pacing.settle(back.jaxpr), "kept": pacing.settle(walked.jaxpr),
+                  "every": pacing.settle(every.jaxpr)}
     why_not = tuning.untimeable(closed)
     if why_not is None and time_it:
         choice, measured = tuning.choose_among(closed, candidates, patterns, tuner,
-                                               default="given_back", baseline="given_back",
-                                               check_memory=memory.CHECKING)
+                                               default="given_back", baseline="given_back")
     elif why_not is None:
         choice = tuning.stored_choice(closed, candidates, patterns, tuner)
         measured = choice is not None
         choice = choice or "given_back"
     else:
         choice, measured = "given_back", False
-    chosen = {"every": every, "kept": new}.get(choice)
-    if chosen is not None and memory.CHECKING and not memory.holds_no_more(
-            closed, chosen, patterns, tuner):
+    if choice != "given_back" and not memory.holds_no_more(closed, candidates[choice], patterns,
+                                                           tuner):
         # Timed against the sites given back, not against jit's own program.
-        again_report.measured = (f"{sites}: given back; the faster program ({choice}) would "
-                                 f"hold more in a call than jax.jit's")
-        return again, again_report
+        return back_plan.noting(f"{sites}: given back; the faster program ({choice}) would "
+                                f"peak above jax.jit's"), back
     if choice == "every":
-        every_report = dataclasses.replace(
-            every_report, policy=report.policy, jaxpr=every,
-            measured=(f"{sites}: every safe site fused, timed faster than XLA's fusion of "
-                      f"them and than fusing only those"))
-        return every, every_report
+        return (dataclasses.replace(plan, policy="always").noting(
+            f"{sites}: every safe site fused, timed faster than XLA's fusion of them and than "
+            f"fusing only those"), every)
     if choice == "kept":
-        report.measured = f"{sites}: kept fused, timed faster than XLA's fusion of them"
-        return new, report
-    again_report.measured = (
+        return plan.noting(f"{sites}: kept fused, timed faster than XLA's fusion of them"), walked
+    return back_plan.noting(
         f"{sites}: given back, " + ("timed faster than the kernel there" if measured else
                                     f"not timed ({why_not})" if why_not else
-                                    "not timed yet (optimize times them on its first call)"))
-    return again, again_report
+                                    "not timed yet (optimize times them on its first call)")), back
 
 
 def _stored_library_fused(closed, new, patterns, cache) -> set[int]:
@@ -150,7 +150,7 @@ def _stored_library_fused(closed, new, patterns, cache) -> set[int]:
     program compiles for the probe once; computed afresh where the key cannot
     be made (constants of an enclosing trace)."""
     try:
-        key = {**tuning._key(closed, {"probed": new}, patterns), "decision": "library fused"}
+        key = {**tuning.decision_key(closed, {"probed": new}, patterns), "decision": "library fused"}
     except Exception:  # noqa: BLE001 - no key, no storing
         return library_fused(new)
     entry = cache.entry(key)
@@ -161,23 +161,10 @@ def _stored_library_fused(closed, new, patterns, cache) -> set[int]:
     return numbers
 
 
-def given_back(report) -> frozenset:
-    """The probe numbers of the sites `report` gives back to XLA's fusion."""
-    return frozenset(s.cost.probe for s in report.sites
-                     if getattr(s.cost, "xla_fuses", False) and s.cost.probe >= 0)
+def _fused_numbers(walked) -> set[int]:
+    return {s.cost.probe for s in walked.sites
+            if s.fused and s.cost is not None and s.cost.probe >= 0}
 
 
-def _marked_report(report, numbers, marked):
-    sites = []
-    for site in report.sites:
-        facts = site.cost
-        if site.fused and getattr(facts, "probe", -1) in numbers:
-            site = dataclasses.replace(site, fused=False, reason=XLA_FUSES_REASON,
-                                       declined_for_cost=True,
-                                       cost=dataclasses.replace(facts, xla_fuses=True))
-        sites.append(site)
-    return dataclasses.replace(report, sites=sites, jaxpr=marked)
-
-
-def _fused_numbers(report) -> set[int]:
-    return {s.cost.probe for s in report.fused if getattr(s.cost, "probe", -1) >= 0}
+def _count_fused(walked) -> int:
+    return sum(1 for s in walked.sites if s.fused)

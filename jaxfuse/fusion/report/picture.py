@@ -305,8 +305,8 @@ class _Program:
         for nid in roots:
             if f"[{site.pattern}]" not in self.pic.nodes[nid].label:
                 self.pic.nodes[nid].label += f"\n[{site.pattern}]"
-        if not site.fused and site.reason:
-            self.place_reason(site.reason, members, roots)
+        if not site.fused and site.why is not None:
+            self.place_reason(site.why, members, roots)
 
     def find(self, site, exclude):
         """(the nodes of `site`'s equations, those of its root)."""
@@ -326,22 +326,23 @@ class _Program:
         members = _connected_to(matched, roots, self.pic.edges)
         return members, roots & members
 
-    def place_reason(self, reason, members, roots):
-        """The reason on the edge that caused the decline (to the second reader
-        of a value, or from the producer XLA would fuse), else in a note."""
+    def place_reason(self, why, members, roots):
+        """The reason on the edges that caused the decline, as the reason's
+        structure says (`Reason.blame`, `Reason.culprit`): the culprit's
+        readers outside the site, or the edges into the site from the culprit
+        producer; else in a note by the site."""
+        reason = str(why)
         text = textwrap.fill(reason, _REASON_WIDTH)
-        named = re.search(r"the `([^`]+)` result (?:has \d+ uses|is also an output)", reason)
-        if named:  # the edges from the value to its readers outside the site
-            sources = {n for n in members if self.pic.nodes[n].primitive == named.group(1)}
+        culprit = getattr(why, "culprit", None)
+        blame = getattr(why, "blame", None)
+        if blame == "readers" and culprit:  # the edges from the value to its readers outside
+            sources = {n for n in members if self.pic.nodes[n].primitive == culprit}
             if self.blame([e for e in self.pic.edges if e.src in sources and e.dst not in members],
                           text, reason, lambda e: e.dst):
                 return
-        producer = re.search(r"comes from a `([^`]+)` that XLA fuses|is a product \(`([^`]+)`\) "
-                             r"that XLA fuses", reason)
-        if producer:  # the edges into the site from that producer
-            prim = producer.group(1) or producer.group(2)
+        if blame == "producer" and culprit:  # the edges into the site from that producer
             if self.blame([e for e in self.pic.edges if e.dst in members and e.src not in members
-                           and self.pic.nodes[e.src].primitive == prim],
+                           and self.pic.nodes[e.src].primitive == culprit],
                           text, reason, lambda e: e.src):
                 return
         anchor = min(roots or members, key=lambda n: int(n[len(self.prefix):]))

@@ -17,7 +17,7 @@ targets has FMA). A fused op reads its operands already rounded, so:
   * a product that varies along the innermost dimension but repeats along an
     outer one (`(1, C) * (1, C)` added to `(N, C)`) is contracted or not
     depending on how LLVM unrolls the outer loop (contracted for N = 64, not
-    for N = 3 with XLA:CPU; tests/test_contraction.py): the site is declined.
+    for N = 3 with XLA:CPU; tests/fusion/safety/test_rounding.py): the site is declined.
 
 The same holds one level up: an operand XLA computes outside the fused op is
 fused into the site's loop in `jax.jit`'s program, so every add in its
@@ -42,7 +42,7 @@ float16 and bfloat16 are rounded after every operation without contracting
 (AVX512-FP16), which contracts like float32. Where XLA's own loop contracts
 some elements and not others (`_numerics.cpu_rounds_by_position`), the site
 is declined.
-tests/test_contraction.py pins each rule against XLA.
+tests/fusion/safety/test_rounding.py pins each rule against XLA.
 """
 
 from __future__ import annotations
@@ -52,14 +52,38 @@ import math
 import numpy as np
 
 from ... import _compat as C
+from ..._reasons import Reason, ReasonKind
 from ...ops import numerics as _numerics
-from ..policy.cost import FUSIBLE, TRANSPARENT, body_of
-from ..ir.graph import Graph, output_index
+from ..ir.graph import Graph
+from ..ir.products import producer, product_of
+from ..ir.xla import FUSIBLE
 
 _WIDE = (np.dtype(np.float32), np.dtype(np.float64))
-# Ops through which a product stays a product, element by element.
-_SEE_THROUGH = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
-                          "copy", "pvary", "neg", "reduce_precision"})
+
+# Every decline here keeps values bit for bit jit's (exact_only): with
+# exact=False the fused op rounds each product once and the site is fused.
+PRODUCT_HOISTED = ReasonKind(
+    "product-hoisted",
+    "the product `{product}` is the same along the innermost dimension: XLA computes it once "
+    "outside its loop and rounds it, where the fused op would contract it into a fused "
+    "multiply-add", exact_only=True)
+PRODUCT_REPEATS = ReasonKind(
+    "product-repeats",
+    "the product `{product}` repeats along an outer dimension: whether XLA contracts it into a "
+    "fused multiply-add depends on how its loop is unrolled", exact_only=True)
+ADDEND_PRODUCT = ReasonKind(
+    "addend-product",
+    "operand {position} (`{label}`) is a product (`{culprit}`) that XLA fuses into the site's add "
+    "and contracts into a fused multiply-add, rounding once; the fused op would read it rounded",
+    blame="producer", exact_only=True)
+POSITIONAL = ReasonKind("positional-rounding", "{text}", exact_only=True)
+"""XLA's own loop rounds some elements of the site differently from others
+(ops/numerics.py, `cpu_rounds_by_position`, says how)."""
+CHAIN_PRODUCT = ReasonKind(
+    "chain-product",
+    "operand {position} (`{label}`) is computed from a `{add}` of a product (`{culprit}`) that XLA "
+    "may contract into a fused multiply-add in its own loop and not in the site's, or the other "
+    "way round", exact_only=True)
 
 
 def _is_one(d) -> bool:
@@ -95,111 +119,6 @@ def full(view_shapes, out_shape) -> bool:
     aligned = [_aligned(s, rank) for s in view_shapes]
     return all(_is_one(out_shape[d]) or any(not _is_one(s[d]) for s in aligned)
                for d in range(rank))
-
-
-def _producer(atom, graph: Graph, frames=()):
-    """(equation, its graph, frames) computing `atom`, looking into the bodies
-    of calls XLA inlines and out of them again to their callers' operands;
-    `frames`: the (graph, call) pairs entered. (None, graph, frames) for an
-    argument, a constant, or a body input whose caller is not in view."""
-    for _ in range(64):
-        eqn = graph.producer(atom)
-        if eqn is None:
-            if frames and C.is_var(atom) and atom in graph.jaxpr.invars:
-                outer, call = frames[-1]
-                atom = call.invars[list(graph.jaxpr.invars).index(atom)]
-                graph, frames = outer, frames[:-1]
-                continue
-            return None, graph, frames
-        body, consts = body_of(eqn) if eqn.primitive.name in TRANSPARENT else (None, None)
-        if body is None:
-            return eqn, graph, frames
-        inner = graph.cached(("inlined body", id(body)), lambda: Graph(body, consts))
-        out = inner.jaxpr.outvars[output_index(eqn, atom)]
-        if not C.is_var(out):
-            return None, graph, frames
-        atom, graph, frames = out, inner, (*frames, (graph, eqn))
-    return None, graph, frames
-
-
-def product_of(atom, graph: Graph, frames=()) -> str | None:
-    """The primitive of the product XLA computes in the loop reading `atom`,
-    or None when `atom` is not (provably) such a product."""
-    if not frames and C.is_var(atom):  # asked of the same value by every pattern
-        return graph.cached(("product of", atom), lambda: _product_of(atom, graph, ()))
-    return _product_of(atom, graph, frames)
-
-
-def _product_of(atom, graph: Graph, frames) -> str | None:
-    for _ in range(64):
-        if not C.is_var(atom):
-            return None
-        eqn, graph, frames = _producer(atom, graph, frames)
-        if eqn is None:
-            return _from_caller(atom, graph) if not frames else None
-        name = eqn.primitive.name
-        if name in _SEE_THROUGH and len(eqn.invars) >= 1:
-            atom = eqn.invars[output_index(eqn, atom) if name == "pvary" else 0]
-            continue
-        if name == "mul":
-            ones = [k for k, v in enumerate(eqn.invars) if _all_ones(v, graph)]
-            if ones:  # XLA drops a multiplication by one
-                atom = eqn.invars[1 - ones[0]]
-                continue
-            return name
-        if name == "square":
-            return name
-        if name == "integer_pow":
-            return name if eqn.params.get("y", 0) >= 2 else None
-        if name == "div":
-            return name if not _full_size_array(eqn.invars[1], eqn.outvars[0], graph) else None
-        if name == "dot_general":
-            return name if _dot_is_a_product(eqn) else None
-        return None
-    return None
-
-
-def _from_caller(atom, graph: Graph) -> str | None:
-    feeds = graph.feeds
-    if feeds is None or atom not in graph.jaxpr.invars:
-        return None
-    return feeds[list(graph.jaxpr.invars).index(atom)]
-
-
-def feeds(eqn, body, graph) -> tuple | None:
-    """Per input of `body`, the product `eqn`'s caller computes for it, where
-    XLA inlines the call (jit, custom_jvp/vjp, checkpoint) and so may fuse the
-    caller's product into the body's loops; None for loop and branch bodies,
-    whose inputs XLA materializes. `graph()`: the caller's Graph, built only
-    when asked for."""
-    if eqn.primitive.name not in TRANSPARENT:
-        return None
-    invars = getattr(getattr(body, "jaxpr", body), "invars", ())
-    if len(invars) != len(eqn.invars):
-        return None
-    caller = graph()
-    found = tuple(product_of(a, caller) for a in eqn.invars)
-    return found if any(found) else None
-
-
-def _all_ones(atom, graph: Graph) -> bool:
-    value = graph.const_value(atom)
-    return value is not None and value.size > 0 and bool(np.all(value == 1))
-
-
-def _full_size_array(divisor, out, graph: Graph) -> bool:
-    if tuple(getattr(divisor.aval, "shape", ())) != tuple(out.aval.shape):
-        return False
-    if graph.const_value(divisor) is not None:
-        return False  # a constant: XLA may take its reciprocal
-    eqn = graph.producer(divisor)
-    return eqn is None or eqn.primitive.name != "broadcast_in_dim"
-
-
-def _dot_is_a_product(eqn) -> bool:
-    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-    shape = eqn.invars[0].aval.shape
-    return all(_is_one(shape[d]) for d in lhs_contract)
 
 
 # Producers XLA fuses into the loop reading them (cost.FUSIBLE), by how their
@@ -246,7 +165,7 @@ def _varies(atom, dims) -> frozenset | None:
     return frozenset(d for d, n in zip(dims, shape) if d is not None and not _is_one(n))
 
 
-def chain_hazard(position: int, label: str, operand, out_shape, graph: Graph) -> str | None:
+def chain_hazard(position: int, label: str, operand, out_shape, graph: Graph) -> Reason | None:
     """Why XLA may round an add in `operand`'s chain of fused producers
     differently in its own loop than in the site's (None: it rounds it alike)."""
     key = ("contraction chain", id(operand.atom), id(operand.via), tuple(out_shape))
@@ -254,9 +173,7 @@ def chain_hazard(position: int, label: str, operand, out_shape, graph: Graph) ->
     if found is None:
         return None
     name, prim = found
-    return (f"operand {position} (`{label}`) is computed from a `{name}` of a product (`{prim}`) "
-            f"that XLA may contract into a fused multiply-add in its own loop and not in the "
-            f"site's, or the other way round")
+    return CHAIN_PRODUCT(prim, position=position, label=label, add=name)
 
 
 def _unalike_add(operand, out_shape, graph: Graph):
@@ -277,7 +194,7 @@ def _unalike_from(atom, dims, permuted, g, frames, out_shape, home: Graph, depth
     `home`: the operands of a network's sites share most of their chains."""
     if depth >= _CHAIN_LIMIT:
         return None
-    eqn, g, frames = _producer(atom, g, frames)
+    eqn, g, frames = producer(atom, g, frames)
     if eqn is None or eqn.primitive.name not in FUSIBLE:
         return None
     key = ("unalike add", id(eqn), tuple(id(call) for _, call in frames), dims, permuted,
@@ -318,17 +235,15 @@ def _unalike_at(eqn, dims, permuted, g, frames, out_shape, home, depth):
     return None
 
 
-def addend_hazard(position: int, label: str, operand, out_shape, graph: Graph) -> str | None:
+def addend_hazard(position: int, label: str, operand, out_shape, graph: Graph) -> Reason | None:
     """Why an operand the site adds (or subtracts) cannot be read rounded."""
     prim = product_of(operand.atom, graph)
     if prim is None or not varies_innermost([operand.shape], out_shape):
         return None
-    return (f"operand {position} (`{label}`) is a product (`{prim}`) that XLA fuses into the "
-            f"site's add and contracts into a fused multiply-add, rounding once; the fused op "
-            f"would read it rounded")
+    return ADDEND_PRODUCT(prim, position=position, label=label)
 
 
-def site_reason(labels, operands, addends, factors, out_aval, graph: Graph) -> str | None:
+def site_reason(labels, operands, addends, factors, out_aval, graph: Graph) -> Reason | None:
     """Why the fused op would not round as XLA does at this site (None: it would).
 
     `addends`: labels of operands the site adds or subtracts; `factors`: labels
@@ -344,16 +259,13 @@ def site_reason(labels, operands, addends, factors, out_aval, graph: Graph) -> s
         shapes = [by_label[k].shape for k in factors]
         product = " * ".join(factors)
         if not varies_innermost(shapes, out_shape):
-            return (f"the product `{product}` is the same along the innermost dimension: XLA "
-                    f"computes it once outside its loop and rounds it, where the fused op would "
-                    f"contract it into a fused multiply-add")
+            return PRODUCT_HOISTED(product=product)
         if not full(shapes, out_shape):
-            return (f"the product `{product}` repeats along an outer dimension: whether XLA "
-                    f"contracts it into a fused multiply-add depends on how its loop is unrolled")
+            return PRODUCT_REPEATS(product=product)
         positional = _numerics.cpu_rounds_by_position(
             out_aval.dtype, out_shape, [o.shape for o in operands])
         if positional:
-            return positional
+            return POSITIONAL(text=positional)
     for label in addends:
         why = addend_hazard(list(labels).index(label) + 1, label, by_label[label], out_shape, graph)
         if why:

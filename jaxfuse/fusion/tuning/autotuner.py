@@ -62,7 +62,7 @@ import jax
 from ... import _compat as C
 from ...ops import isa as _isa
 from ..._version import __version__
-from . import hlo_memory as library_memory
+from . import hlo_memory
 from ..ir import subjaxprs
 
 VARIANTS = ("xla", "auto", "always")
@@ -167,6 +167,22 @@ def _wall_time(name: str, run: Callable[[], object]) -> float:
 
 
 _MIN_RUN_LIMIT_S = 1.0
+# An Autotuner keeps its latest decisions and skips (the module's own tuners
+# live as long as the process).
+_KEPT = 256
+
+
+class _Recent(list):
+    """A list that keeps only its last `kept` items."""
+
+    def __init__(self, kept: int):
+        super().__init__()
+        self.kept = kept
+
+    def append(self, item) -> None:
+        super().append(item)
+        if len(self) > self.kept:
+            del self[:len(self) - self.kept]
 
 
 @dataclasses.dataclass
@@ -192,11 +208,11 @@ class Autotuner:
     budget_s: float = 2.0
     timer: Callable[[str, Callable[[], object]], float] = _wall_time
     cache: TuningCache = dataclasses.field(default_factory=TuningCache)
-    log: list = dataclasses.field(default_factory=list)
+    log: list = dataclasses.field(default_factory=lambda: _Recent(_KEPT))
     """(key, choice, medians) of every decision this tuner measured."""
     run_limit_s: float | None = None
     """The most one run may take (None: `budget_s`, at least 1 s)."""
-    skipped: list = dataclasses.field(default_factory=list)
+    skipped: list = dataclasses.field(default_factory=lambda: _Recent(_KEPT))
     """Why this tuner did not time a program, one string per program it
     declined (each got the cost model's choice)."""
     _overran: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -231,29 +247,35 @@ def fingerprint(program) -> str:
     return known
 
 
-# What a call of each candidate `_time` compiled holds (memory.held_of), by
-# device and program: the memory check (memory.py) compiles the program auto
-# chose, often one of them.
-_HELD_BYTES: dict[tuple, int] = {}
-_HELD_BYTES_KEPT = 64
+# The memory of each program compiled for the default device (hlo_memory.figures_of),
+# by device and program, for this process: the tuner compiles candidates the
+# memory check (policy/memory.py) then compiles again, often the one auto chose.
+# Guarded by a lock: tuning runs in helper threads.
+_FIGURES: dict[tuple, dict] = {}
+_FIGURES_KEPT = 64
+_FIGURES_LOCK = threading.Lock()
 
 
-def _temp_key(program) -> tuple:
+def _figures_key(program) -> tuple:
     device = C.default_device()
     return device.platform, device.device_kind, fingerprint(program)
 
 
-def seen_held_bytes(program) -> int | None:
-    """What a call of `program` holds (memory.held_of), when a tuner compiled
-    it for the default device in this process; else None."""
-    return _HELD_BYTES.get(_temp_key(program))
+def seen_figures(program) -> dict | None:
+    """The memory figures of `program` compiled for the default device, when
+    this process compiled it for a tuner or the memory check; else None."""
+    key = _figures_key(program)
+    with _FIGURES_LOCK:
+        return _FIGURES.get(key)
 
 
-def remember_held(program, held: int) -> None:
-    """Keep `held` as what a call of `program`, compiled for the default device, holds."""
-    if len(_HELD_BYTES) >= _HELD_BYTES_KEPT:
-        _HELD_BYTES.pop(next(iter(_HELD_BYTES)))
-    _HELD_BYTES[_temp_key(program)] = held
+def remember_figures(program, figures: dict) -> None:
+    """Keep `figures` (hlo_memory.figures_of) as those of `program` compiled for the default device."""
+    key = _figures_key(program)
+    with _FIGURES_LOCK:
+        if key not in _FIGURES and len(_FIGURES) >= _FIGURES_KEPT:
+            _FIGURES.pop(next(iter(_FIGURES)))
+        _FIGURES[key] = dict(figures)
 
 
 # The parts of a key every process of a job shares (its host and flags may differ).
@@ -266,12 +288,14 @@ def _code_flags(xla_flags: str) -> list[str]:
     return sorted(f for f in xla_flags.split() if not f.startswith("--xla_dump"))
 
 
-# How candidates' memory is compared (memory.py): decisions made under another
-# rule are never reused. "held-1": XLA's temp plus library fusions' estimated workspace.
-MEMORY_MODEL = "held-1"
+# How candidates' memory is compared (policy/memory.py): decisions made under
+# another rule are never reused. "peak-1": a call's peak bytes (arguments,
+# outputs, temp less aliased, the largest library fusion's estimated
+# workspace) within jit's plus a slack.
+MEMORY_MODEL = "peak-1"
 
 
-def _key(closed, variants: dict, patterns) -> dict:
+def decision_key(closed, variants: dict, patterns) -> dict:
     """What a decision depends on: the device it was timed on (the default
     device, where the candidates are compiled and run; on CPU, whose device
     kind is only "cpu", the processor's model, core count and the ISA XLA
@@ -336,8 +360,9 @@ def _timing_mesh(closed):
     return None
 
 
-# Stand-in floats repeat a block of this many random normals: drawing a fresh
-# value per element of a ResNet-50's weights took a second of the first call.
+# Stand-in floats repeat a block of this many random normals: an elementwise
+# kernel's speed does not depend on the values, and drawing one per element of a
+# large model's weights costs more than timing it.
 _STAND_IN_BLOCK = 1 << 16
 
 
@@ -362,8 +387,7 @@ def _inputs(closed, seed: int = 0, mesh=None):
             spec = C.aval_mesh(a)[1] or jax.sharding.PartitionSpec()
             sharding = jax.sharding.NamedSharding(mesh, spec)
             out.append(jax.make_array_from_callback(a.shape, sharding, lambda i, h=host: h[i]))
-    # One transfer for all (jnp.asarray one by one took half a second for a
-    # ResNet-50's 480 arguments).
+    # One transfer for all: a transfer per argument costs a dispatch each.
     return out if mesh is not None else list(jax.device_put(out))
 
 
@@ -442,18 +466,17 @@ def _within(limit_s: float, what: str, fn: Callable[[], object]):
 
 
 def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: str,
-                 baseline: str, check_memory: bool = True):
+                 baseline: str):
     """(name, measured) of the fastest of `candidates` (name -> ClosedJaxpr
     computing what `closed` computes), timed as `policy="measure"` times them and
     remembered under the same kind of key; `default` when they cannot be
-    timed (`measured` False: `tuner.skipped` says why). No candidate holding
-    more bytes in a call than `baseline` (memory.held_of) is timed (the first of them, when they
-    compile to the same program), unless `check_memory` is False
-    (`memory.CHECKING`)."""
+    timed (`measured` False: `tuner.skipped` says why). No candidate whose call
+    peaks above `baseline`'s plus the slack (hlo_memory.within) is timed (the
+    first of them, when they compile to the same program)."""
     distinct = _distinct(candidates)
     if len(distinct) == 1:
         return default, False
-    key = _key(closed, distinct, patterns)
+    key = decision_key(closed, distinct, patterns)
     key_text = json.dumps(key, sort_keys=True)
     choice = tuner.cache.get(key)
     names = list(distinct)
@@ -483,8 +506,7 @@ def choose_among(closed, candidates: dict, patterns, tuner: Autotuner, default: 
         # programs, not this host's model or flags), so all run the same programs.
         order_seed = json.dumps({k: key[k] for k in _SHARED_KEY}, sort_keys=True)
         times = _in_clean_thread(lambda: _time(tuner, distinct, closed, order_seed, limit,
-                                               baseline, mesh, fixed_rounds=several,
-                                               check_memory=check_memory))
+                                               baseline, mesh, fixed_rounds=several))
     except _Overrun as e:
         reason = (f"{e.args[0]} did not end within the run limit of {limit:g} s on "
                   f"stand-in data (Autotuner.run_limit_s; default budget_s, at least 1 s)")
@@ -529,35 +551,36 @@ def stored_choice(closed, candidates: dict, patterns, tuner: Autotuner) -> str |
     distinct = _distinct(candidates)
     if len(distinct) == 1:
         return None
-    return tuner.cache.get(_key(closed, distinct, patterns))
+    return tuner.cache.get(decision_key(closed, distinct, patterns))
 
 
-def _held_bytes(compiled) -> int | None:
+def _figures(compiled) -> dict | None:
     try:
-        return library_memory.held_of(compiled)
-    except Exception:  # noqa: BLE001 - a backend that does not report memory
+        return hlo_memory.figures_of(compiled)
+    except Exception:  # noqa: BLE001 - a backend that does not report memory: not filtered
         return None
 
 
 def _time(tuner: Autotuner, distinct: dict, closed, order_seed: str, limit: float,
-          baseline: str, mesh=None, fixed_rounds: bool = False, check_memory: bool = True) -> dict:
+          baseline: str, mesh=None, fixed_rounds: bool = False) -> dict:
     """{candidate: [seconds per round]}; raises `_Overrun` when a run does not
-    end within `limit` seconds. A candidate whose compiled program holds more
-    bytes in a call than XLA's own (memory.held_of) is not timed: it is
-    never chosen, since optimize must not raise a program's memory. On `mesh`
+    end within `limit` seconds. A candidate whose call peaks above the
+    baseline's plus the slack (hlo_memory.within) is not timed: it is never
+    chosen, since optimize must not raise a program's memory. On `mesh`
     (its arguments sharded as their types say); `fixed_rounds`: all `rounds`,
     whatever the budget, so that every process runs the same programs."""
     with C.mesh_context(mesh):
         args = _inputs(closed, mesh=mesh)
         compiled = {name: _compiled(v, args) for name, v in distinct.items()}
-    temps = {name: _held_bytes(fn) for name, fn in compiled.items()}
-    if mesh is None:  # compiled as memory.py compiles them: for the default device
-        for name, temp in temps.items():
-            if temp is not None:
-                remember_held(distinct[name], temp)
-    if temps.get(baseline) is not None and check_memory:
+    figures = {name: _figures(fn) for name, fn in compiled.items()}
+    if mesh is None:  # compiled as policy/memory.py compiles them: for the default device
+        for name, fig in figures.items():
+            if fig is not None:
+                remember_figures(distinct[name], fig)
+    peaks = {name: (fig or {}).get("peak") for name, fig in figures.items()}
+    if peaks.get(baseline) is not None:
         compiled = {name: fn for name, fn in compiled.items() if name == baseline
-                    or temps[name] is None or temps[name] <= temps[baseline]}
+                    or peaks[name] is None or hlo_memory.within(peaks[name], peaks[baseline])}
     # Warm-up (allocation, first touch), waited for by polling: a program that
     # never ends on this data shows here, and a thread left blocked inside
     # jax's own wait would abort the process at exit.
@@ -569,7 +592,7 @@ def _time(tuner: Autotuner, distinct: dict, closed, order_seed: str, limit: floa
     names = list(compiled)
     # Each round in a random order (seeded by the key, so a decision
     # repeats): a fixed rotation makes each candidate follow the same one,
-    # whose traffic it inherits in the cache (bench/results, round order).
+    # whose traffic it inherits in the cache (benchmarks/results/cpu-round-order-2026-12-01.txt).
     rng = random.Random(order_seed)
     for _ in range(max(1, tuner.rounds)):
         for name in rng.sample(names, len(names)):

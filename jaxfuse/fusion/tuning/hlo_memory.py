@@ -15,8 +15,9 @@ each live from where it is made to its last reader. Elementwise chains,
 broadcasts and bitcasts are taken to be computed in their reader's loop. The
 fusions of a program run one after another and free their workspace between
 calls, so a program holds XLA's temp plus the largest fusion's workspace
-(`held_bytes`). This is a model, not XLA's figure; the measured resident
-growth it is checked against is in bench/results (memory-rss-*).
+(`held_bytes`), and a call peaks at its arguments, outputs and that
+(`figures_of`). This is a model, not XLA's figure; the measured resident
+growth it is checked against is in benchmarks/results (memory-rss-*).
 """
 
 from __future__ import annotations
@@ -24,6 +25,22 @@ from __future__ import annotations
 import re
 
 from ... import _compat as C
+
+# The promise: a call of a rewritten program peaks at most at jit's peak plus
+# this slack: 64 KiB or 0.1% of jit's peak, whichever is larger -- the size of
+# what no user notices (a pacing value, a few per-channel vectors written out).
+SLACK_MIN = 64 << 10
+SLACK_SHARE = 1e-3
+
+
+def slack(jit_peak: int) -> int:
+    """The bytes a rewrite may peak above jit's: 64 KiB or 0.1% of jit's peak."""
+    return max(SLACK_MIN, int(SLACK_SHARE * jit_peak))
+
+
+def within(peak: int, jit_peak: int) -> bool:
+    """Whether a peak keeps the promise against jit's."""
+    return peak <= jit_peak + slack(jit_peak)
 
 # A library fusion's line in an optimized HLO module's text (its /*index=N*/
 # comments removed), naming the computation it calls; the shape may be a tuple.
@@ -201,10 +218,32 @@ def held_bytes(temp: int, text: str) -> int:
     return temp + largest_workspace(text)
 
 
-def held_of(compiled) -> int:
-    """What a call of a compiled program holds beyond its arguments and
-    outputs: `held_bytes` on a CPU device, XLA's temp elsewhere."""
-    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+def figures_of(compiled) -> dict:
+    """A compiled program's memory, for the default device: XLA's figures
+    (temp, argument, output, alias bytes), its library fusions (how many, the
+    largest one's estimated workspace; 0 off CPU), what a call holds beyond its
+    arguments and outputs (`held`: temp plus that workspace) and a call's peak
+    (`peak`: argument + output + temp - alias + that workspace). The workspace,
+    held and peak are None where a fusion's body cannot be read."""
+    stats = compiled.memory_analysis()
+    figures = {k: int(getattr(stats, f"{k}_size_in_bytes", 0) or 0)
+               for k in ("temp", "argument", "output", "alias")}
     if C.default_device().platform != "cpu":
-        return temp
-    return held_bytes(temp, compiled.as_text())
+        figures.update(library_fusions=0, library_workspace=0)
+    else:
+        text = compiled.as_text()
+        try:
+            workspace = largest_workspace(text)
+        except ValueError:  # a body this parser cannot read: unknown, not 0
+            workspace = None
+        figures.update(library_fusions=len(library_fusion_calls(text)), library_workspace=workspace)
+    workspace = figures["library_workspace"]
+    figures["held"] = None if workspace is None else figures["temp"] + workspace
+    figures["peak"] = None if workspace is None else (
+        figures["argument"] + figures["output"] + figures["temp"] - figures["alias"] + workspace)
+    return figures
+
+
+def peak_of(compiled) -> int | None:
+    """A call's peak bytes (`figures_of`); None where a workspace is unknown."""
+    return figures_of(compiled)["peak"]
