@@ -97,6 +97,12 @@ class Reason:
     def startswith(self, prefix: str) -> bool:  # reads like the text it renders
         return str(self).startswith(prefix)
 
+    def __format__(self, spec: str) -> str:  # in a table's column, as its text
+        return format(str(self), spec)
+
+    def __contains__(self, text: str) -> bool:  # `"..." in reason`, as in its text
+        return text in str(self)
+
 
 # A reason whose words come whole from elsewhere: a check's own message, an
 # exception, a user predicate. Its code says where.

@@ -136,3 +136,168 @@ def contraction(atom, producer: Callable, single_use: Callable) -> Contraction |
         operands.append(x)
         axes.append(tuple(labels))
     return Contraction(eqn, tuple(eqns), tuple(operands), (axes[0], axes[1], tuple(out)))
+
+
+# ----------------------------------------------------------------- evaluation
+# Index arithmetic, comparisons, logic and layout: what a mask is built from
+# (flax's `make_causal_mask`, `jnp.tril`, a sliding window). Exact on the host
+# as in XLA for the integer and boolean types these run on; floating-point
+# results go through the dtype's own numpy arithmetic (IEEE, as XLA's).
+_EVAL_MAX_ELEMENTS = 1 << 24
+_COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+            "gt": np.greater, "ge": np.greater_equal}
+_LOGIC = {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}
+_BITWISE = {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}
+_ARITH = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum,
+          "min": np.minimum}
+
+
+def _iota(p):
+    shape, dim = tuple(p["shape"]), p["dimension"]
+    ar = np.arange(shape[dim], dtype=np.dtype(p["dtype"]))
+    view = [1] * len(shape)
+    view[dim] = shape[dim]
+    return np.broadcast_to(ar.reshape(view), shape)
+
+
+def _broadcast(x, p):
+    shape, dims = tuple(p["shape"]), tuple(p["broadcast_dimensions"])
+    view = [1] * len(shape)
+    for d, n in zip(dims, np.shape(x)):
+        view[d] = n
+    return np.broadcast_to(np.reshape(x, view), shape)
+
+
+def _slice(x, p):
+    strides = p.get("strides") or (1,) * np.ndim(x)
+    return x[tuple(slice(a, b, s) for a, b, s in zip(p["start_indices"], p["limit_indices"], strides))]
+
+
+def _dynamic_slice(x, *idx, p):
+    sizes = tuple(p["slice_sizes"])
+    # XLA clamps each start so the slice stays inside the operand
+    starts = [int(np.clip(int(i), 0, n - s)) for i, n, s in zip(idx, np.shape(x), sizes)]
+    return x[tuple(slice(a, a + s) for a, s in zip(starts, sizes))]
+
+
+def _convert(x, p):
+    dtype = np.dtype(p["new_dtype"])
+    if dtype == np.bool_:
+        return np.asarray(x) != 0
+    with np.errstate(all="ignore"):
+        return np.asarray(x).astype(dtype)
+
+
+def _eval_eqn(eqn, values):
+    """Results of one equation from its operands' values (a list), or None."""
+    name, p = eqn.primitive.name, eqn.params
+    if name in C.JIT_NAMES or name in ("closed_call", "core_call"):
+        closed = p.get("jaxpr") or p.get("call_jaxpr")
+        body = getattr(closed, "jaxpr", closed)
+        if body is None:
+            return None
+        return _eval_jaxpr(body, list(getattr(closed, "consts", ()) or ()), values)
+    if name in ("pvary",):
+        return list(values)
+    if len(eqn.outvars) != 1:
+        return None
+    out = eqn.outvars[0].aval
+    with np.errstate(all="ignore"):
+        if name == "iota":
+            r = _iota(p)
+        elif name == "broadcast_in_dim":
+            r = _broadcast(values[0], p)
+        elif name == "reshape":
+            r = np.reshape(values[0], tuple(p["new_sizes"]))
+        elif name == "squeeze":
+            r = np.squeeze(values[0], axis=tuple(p["dimensions"]))
+        elif name == "expand_dims":
+            r = np.expand_dims(values[0], tuple(p["dimensions"]))
+        elif name == "transpose":
+            r = np.transpose(values[0], tuple(p["permutation"]))
+        elif name == "slice":
+            r = _slice(values[0], p)
+        elif name == "dynamic_slice":
+            r = _dynamic_slice(values[0], *values[1:], p=p)
+        elif name == "convert_element_type":
+            r = _convert(values[0], p)
+        elif name == "copy":
+            r = values[0]
+        elif name == "select_n":
+            which = np.asarray(values[0]).astype(np.int64)
+            r = np.choose(which, np.broadcast_arrays(*values[1:]))
+        elif name in _COMPARE:
+            r = _COMPARE[name](values[0], values[1])
+        elif name in _LOGIC:
+            bools = all(np.asarray(v).dtype == np.bool_ for v in values)
+            r = (_LOGIC if bools else _BITWISE)[name](values[0], values[1])
+        elif name == "not":
+            v = np.asarray(values[0])
+            r = np.logical_not(v) if v.dtype == np.bool_ else np.invert(v)
+        elif name in _ARITH:
+            r = _ARITH[name](*(np.asarray(v, out.dtype) for v in values))
+        elif name == "neg":
+            r = np.negative(values[0])
+        else:
+            return None
+    return [np.asarray(r, np.dtype(out.dtype))]
+
+
+def _eval_jaxpr(jaxpr, consts, args):
+    env = {}
+    for v, x in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]):
+        env[id(v)] = np.asarray(x)
+
+    def read(a):
+        lit = C.literal_value(a)
+        return lit if lit is not None else env.get(id(a))
+
+    for e in jaxpr.eqns:
+        if e.effects:
+            return None
+        vals = [read(a) for a in e.invars]
+        if any(v is None for v in vals):
+            return None
+        outs = _eval_eqn(e, vals)
+        if outs is None or any(np.size(o) > _EVAL_MAX_ELEMENTS for o in outs):
+            return None
+        env.update({id(v): o for v, o in zip(e.outvars, outs)})
+    outs = [read(a) for a in jaxpr.outvars]
+    return None if any(o is None for o in outs) else outs
+
+
+def evaluate(atom, graph, _depth: int = 0) -> np.ndarray | None:
+    """The value of `atom` where the program computes it from constants alone,
+    by the primitives a mask is built from (`iota`, comparisons, logic,
+    layout, slices, casts, `select_n`, small integer arithmetic and `jit`
+    calls of these); None otherwise or past 2**24 elements. `graph`: the
+    `Graph` of the jaxpr holding `atom` (results are memoized there)."""
+    known = graph.const_value(atom)
+    shape = tuple(getattr(getattr(atom, "aval", None), "shape", ()))
+    if known is not None:
+        if np.shape(known) == shape:
+            return np.asarray(known)
+        if np.ndim(known) == 0:
+            return np.broadcast_to(np.asarray(known), shape)
+        # held before a broadcast (`Graph.const_value`): computed below at its own shape
+    if not C.is_var(atom) or _depth > 64:
+        return None
+    return graph.cached(("evaluate", atom), lambda: _evaluate(atom, graph, _depth))
+
+
+def _evaluate(atom, graph, depth):
+    eqn = graph.producer(atom)
+    if eqn is None or eqn.effects:
+        return None
+    if any(np.prod(getattr(v.aval, "shape", ()), dtype=np.int64) > _EVAL_MAX_ELEMENTS
+           for v in eqn.outvars):
+        return None
+    values = []
+    for a in eqn.invars:
+        values.append(evaluate(a, graph, depth + 1))
+        if values[-1] is None:
+            return None
+    outs = _eval_eqn(eqn, values)
+    if outs is None:
+        return None
+    return outs[[id(v) for v in eqn.outvars].index(id(atom))]

@@ -10,7 +10,7 @@ import numpy as np
 import jax
 
 from ... import _compat as C
-from .canonical import FOLDABLE, fold
+from .canonical import FOLDABLE, _slice, fold
 
 # Equations that only reshape or retype a constant: looking through them keeps
 # its value known (a broadcast zero is still zero, int 0 converts to +0.0).
@@ -22,6 +22,10 @@ _CONST_PRESERVING = {
     "convert_element_type": lambda v, p: _cast(v, p["new_dtype"]),
     # shard_map marks a replicated constant as varying over manual axes: same value
     "pvary": lambda v, p: v,
+    "copy": lambda v, p: v,
+    # a scalar held before its broadcast is the same scalar sliced (other
+    # values are sliced only at their own shape: `_const_value`)
+    "slice": lambda v, p: v if np.ndim(v) == 0 else _slice(v, p),
 }
 
 
@@ -161,6 +165,9 @@ class Graph:
         src = self.const_value(eqn.invars[output_index(eqn, atom)], _depth)
         if src is None:
             return None
+        if eqn.primitive.name == "slice" and np.ndim(src) and \
+                np.shape(src) != tuple(eqn.invars[0].aval.shape):
+            return None  # held before a broadcast: not at the shape the slice reads
         return _CONST_PRESERVING[eqn.primitive.name](src, eqn.params)
 
 

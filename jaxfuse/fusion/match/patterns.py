@@ -90,6 +90,10 @@ class Pattern:
     """Primitive names that must all appear in a jaxpr (its small `jit` calls
     inlined) for a match to be possible there: the walker does not offer the
     pattern a jaxpr that lacks one. None: no such filter."""
+    cost: Callable[[Match, Any], Any] | None = None
+    """Under `policy="auto"`, `cost(match, graph)` decides a safe site: a
+    reason (a `Reason` or a string) declines it for cost, None applies it.
+    Not consulted under "always". None: every safe site applies."""
 
     def __post_init__(self):
         if self.roots is not None:

@@ -46,6 +46,7 @@ import numpy as np
 import jax
 
 from ... import _compat as C
+from ..._reasons import Reason
 from ..ir.canonical import close_to_reciprocal, contraction
 from ..ir.graph import Graph, output_index
 from .patterns import Match, Pattern
@@ -463,8 +464,9 @@ def _same_jaxpr(a: C.Jaxpr, b: C.Jaxpr) -> bool:
 # ----------------------------------------------------------------------- rule
 class _Rule:
     def __init__(self, patterns: Sequence[Callable], replacement: Callable, name: str,
-                 where: Callable | None, example_args):
+                 where: Callable | None, example_args, cost: Callable | None = None):
         self.patterns, self.replacement, self.name, self.where = patterns, replacement, name, where
+        self.cost_fn = cost
         self._templates: dict = {}
         arity = {_arity(p) for p in patterns} | {_arity(replacement)}
         arity.discard(None)
@@ -583,16 +585,29 @@ class _Rule:
         return Match(root=root, eqns=state.program_eqns(), operands=operands,
                      spelling=self.name, info={"rule": self, "reason": reason})
 
+    @staticmethod
+    def _shown(m: Match, graph: Graph) -> list:
+        """The operands as `where` and `cost` see them: constants' values, else avals."""
+        values = [graph.const_value(a) for a in m.operands]
+        return [v if v is not None else a for v, a in zip(values, m.info["avals"])]
+
     def check(self, m: Match, graph: Graph) -> str | None:
         if "reason" in m.info:
             return m.info["reason"]
         if self.where is not None:
-            values = [graph.const_value(a) for a in m.operands]
-            shown = [v if v is not None else a for v, a in zip(values, m.info["avals"])]
-            if not self.where(*shown):
+            if not self.where(*self._shown(m, graph)):
                 return f"`where` declined the operands {_describe(m.info['avals'])}"
         self.check_replacement(m.info["avals"], m.info["out_avals"])
         return None
+
+    def cost(self, m: Match, graph: Graph):
+        """Under `policy="auto"`: the user's `cost(*operands)` (a reason
+        declines the site for cost; None applies it)."""
+        why = self.cost_fn(*self._shown(m, graph))
+        if why is not None and not isinstance(why, (str, Reason)):
+            raise RuleError(f"jaxfuse.rule {self.name!r}: `cost` must return None, a string or a "
+                            f"jaxfuse Reason, got {type(why).__name__}")
+        return why
 
     def build(self, m: Match, graph: Graph):
         closed = self.replacement_call(m.info["avals"])
@@ -618,7 +633,7 @@ def _arity(fun) -> int | None:
 
 
 def rule(pattern, replacement: Callable, *, name: str | None = None,
-         where: Callable | None = None, example_args=None) -> Pattern:
+         where: Callable | None = None, example_args=None, cost: Callable | None = None) -> Pattern:
     """A `jaxfuse.Pattern` that replaces what `pattern` computes by `replacement`.
 
     `pattern`: a JAX function, or a list of them (several spellings, one
@@ -630,6 +645,10 @@ def rule(pattern, replacement: Callable, *, name: str | None = None,
     restricting the rule to some sites. `example_args`: arrays or
     `jax.ShapeDtypeStruct`s to trace the pattern at first (default: float32
     (4, 4) arrays); a rule matches at every shape and dtype all the same.
+    `cost(*operands)`: under `policy="auto"` only, whether a safe site pays:
+    None applies it, a reason (a string) declines it for cost, which
+    `explain` shows; under "always" every safe site applies. Without `cost`
+    a rule applies at every safe site under every policy.
     Use the result wherever patterns go: `optimize(f, patterns=[...])`,
     `explain`, `register_pattern`.
     """
@@ -637,9 +656,12 @@ def rule(pattern, replacement: Callable, *, name: str | None = None,
     if not patterns or not all(callable(p) for p in patterns) or not callable(replacement):
         raise TypeError("jaxfuse.rule: pattern(s) and replacement must be callables")
     name = name or getattr(patterns[0], "__name__", "rule")
-    r = _Rule(patterns, replacement, name, where, example_args)
+    if cost is not None and not callable(cost):
+        raise TypeError("jaxfuse.rule: cost must be a callable (or None)")
+    r = _Rule(patterns, replacement, name, where, example_args, cost)
     return Pattern(name, r.match, r.check, r.build, roots=frozenset(r.roots),
-                   doc=f"user rule {name!r}", needs=r.needs)
+                   doc=f"user rule {name!r}", needs=r.needs,
+                   cost=r.cost if cost is not None else None)
 
 
 __all__ = ["rule", "RuleError"]

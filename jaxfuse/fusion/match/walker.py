@@ -166,6 +166,9 @@ class _Walk:
                         cost_reason, facts = self.cost.evaluate(m, graph, context, pattern.name)
                         if facts is not None:
                             m = dataclasses.replace(m, cost=facts)
+                    if reason is None and cost_reason is None and pattern.cost is not None \
+                            and self.cost is not None:  # a pattern's own cost decision, under auto
+                        cost_reason = pattern.cost(m, graph)
                     if reason is None and cost_reason is None:
                         where, reason = _placement(m, graph)
                     if reason is None and cost_reason is None:
