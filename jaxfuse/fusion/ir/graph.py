@@ -124,6 +124,13 @@ class Graph:
             self._memo[key] = compute()
         return self._memo[key]
 
+    def respelled(self, jaxpr: C.Jaxpr) -> "Graph":
+        """A graph of `jaxpr`, another spelling of this one over the same
+        inputs and constants (`canonical.CanonicalView`)."""
+        g = Graph(jaxpr, None, outer=self._outer, feeds=self.feeds)
+        g._consts = dict(self._consts)
+        return g
+
     def sub(self, jaxpr: C.Jaxpr, consts, operands) -> "Graph":
         """A graph of a callee body whose invars are bound to `operands` here."""
         outer = {v: (self, a) for v, a in zip(jaxpr.invars, operands)}

@@ -47,7 +47,7 @@ import jax
 
 from ... import _compat as C
 from ..._reasons import Reason
-from ..ir.canonical import close_to_reciprocal, contraction
+from ..ir.canonical import RESPELLED, SPELLED_AS, CanonicalView, close_to_reciprocal, contraction
 from ..ir.graph import Graph, output_index
 from .patterns import Match, Pattern
 from ..target import target_platform
@@ -122,7 +122,17 @@ def _trace(fun, avals) -> _Template:
     closed = jax.make_jaxpr(fun)(*avals)
     jaxpr = closed.jaxpr
     view, _, _ = _inline_small_calls(list(jaxpr.eqns))
-    return _Template(C.replace_eqns(jaxpr, view), dict(zip(jaxpr.constvars, closed.consts)))
+    inlined = C.replace_eqns(jaxpr, view)
+    canonical = CanonicalView(inlined, Graph(inlined, closed.consts).const_value)
+    return _Template(canonical.jaxpr, dict(zip(jaxpr.constvars, closed.consts)))
+
+
+def _canonical_view(graph: Graph) -> tuple[CanonicalView, Graph]:
+    """The program's canonical view and its graph, once per jaxpr."""
+    def build():
+        view = CanonicalView(graph.jaxpr, graph.const_value)
+        return view, graph.respelled(view.jaxpr)
+    return graph.cached(("rule_engine.canonical",), build)
 
 
 # ------------------------------------------------------------------- matching
@@ -179,6 +189,11 @@ class _Matcher:
             s = state.bind(p, g)
             if s is not None:
                 yield s
+            ge = self.graph.producer(g)
+            if not self.exact and ge is not None and _widening(ge):
+                # or the narrower value a cast widens (a 16-bit program's
+                # float32 arithmetic): the exact pass tells which
+                yield from self.atom(p, ge.invars[0], state, depth + 1)
             return
         pe = self.producer[id(p)]
         if not self.exact and pe.primitive.name in _SHAPE_ONLY and len(pe.invars) == 1:
@@ -334,11 +349,20 @@ def _needs(template: _Template) -> frozenset:
     names = set()
     for e in template.jaxpr.eqns:
         name = e.primitive.name
-        if (name in _SHAPE_ONLY or name in ("div", "mul") or id(e) in contracted
+        if (name in _SHAPE_ONLY or name in RESPELLED or id(e) in contracted
                 or all(template.graph.const_value(v) is not None for v in e.outvars)):
             continue
         names.add(name)
     return frozenset(names)
+
+
+def _widening(eqn) -> bool:
+    """A cast to a wider float: it keeps every value."""
+    if eqn.primitive.name != "convert_element_type" or len(eqn.invars) != 1:
+        return False
+    src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
+    return (src != dst and jax.numpy.issubdtype(src, jax.numpy.floating)
+            and jax.numpy.issubdtype(dst, jax.numpy.floating) and jax.numpy.promote_types(src, dst) == dst)
 
 
 def _transposed_later(eqn, graph: Graph) -> bool:
@@ -498,7 +522,8 @@ class _Rule:
             heads = {first.primitive.name}
             if id(template.jaxpr.outvars[0]) in template.contractions:
                 heads = {"dot_general", "transpose"}  # a program may end it either way
-            self.roots |= heads
+            # the program's root may spell the head otherwise (`x / sqrt(v)` for `x * rsqrt(v)`)
+            self.roots |= {n for h in heads for n in SPELLED_AS.get(h, (h,))}
             needs = _needs(template)
             self.needs = needs if k == 0 else self.needs & needs
             self._heads.append((k, template, heads))
@@ -539,16 +564,22 @@ class _Rule:
 
     # ---- Pattern protocol
     def match(self, eqn, graph: Graph):
+        # Both sides are read in their canonical spellings (`canonical.CanonicalView`):
+        # the program's root is the view's equation defining the root's result.
+        view, cgraph = _canonical_view(graph)
+        croot = view.producer(eqn.outvars[0]) if eqn.outvars else None
+        if croot is None:
+            return  # the root is a cast the view reads through
         for k, template, heads in self._heads:
-            if eqn.primitive.name not in heads:
+            if croot.primitive.name not in heads:
                 continue
-            loose = _Matcher(template, graph, exact=False)
+            loose = _Matcher(template, cgraph, exact=False)
             near, offered = None, False
             # Every binding that re-traces exactly, in order: the walker takes
             # the first `check` passes (`where` may decline one operand order
             # and accept the other).
-            for state, _ in loose.outputs(eqn, _State({}, {})):
-                found = self._verify(k, template, state, eqn, graph)
+            for state, _ in loose.outputs(croot, _State({}, {})):
+                found = self._in_program(self._verify(k, template, state, croot, cgraph), eqn, view)
                 if found is not None and "reason" not in found.info:
                     offered = True
                     yield found
@@ -558,6 +589,19 @@ class _Rule:
                 yield near  # declined, with the reason `explain` shows
             if offered or near is not None:
                 return
+
+    def _in_program(self, m: Match | None, root, view: CanonicalView) -> Match | None:
+        """A match found in the canonical view as the program's: rooted at
+        `root`, absorbing the program equations its equations stand for; a
+        near miss where it would read or define a value only the view holds."""
+        if m is None:
+            return None
+        eqns = tuple({id(p): p for e in m.eqns for p in view.origin(e)}.values())
+        if "reason" not in m.info and any(view.is_fresh(a) for a in (*m.operands, *m.outputs)):
+            return self._near_miss(root, _State({}, {}), m.operands,
+                                   "the match reads or defines a value the program computes only "
+                                   "in another layout")
+        return dataclasses.replace(m, root=root, eqns=eqns)
 
     def _verify(self, k, template, state, root, graph) -> Match | None:
         operands = tuple(state.bound.get(id(v)) for v in template.jaxpr.invars)
