@@ -397,9 +397,10 @@ class CanonicalView:
         key = self._key(e, invars)
         if key is not None:
             seen = self._seen.get(key)
-            if seen is not None:  # the same computation again: one value
+            if seen is not None:  # the same computation again: one value, both equations
                 for v, w in zip(e.outvars, seen.outvars):
                     self._env[id(v)] = w
+                self._origin[id(seen)] = (*self.origin(seen), e)
                 return
         new = e if all(a is b for a, b in zip(invars, e.invars)) else C.replace_vars(e, invars, e.outvars)
         if key is not None:
@@ -521,7 +522,7 @@ class CanonicalView:
     def _sink_elementwise(self, e, invars) -> bool:
         out = e.outvars[0]
         shape = tuple(out.aval.shape)
-        perm, inner = None, []
+        perm, inner, moved = None, [], []
         for a in invars:
             if tuple(getattr(a, "aval", None).shape if C.is_var(a) else np.shape(C.literal_value(a))) == ():
                 inner.append(a)
@@ -535,11 +536,14 @@ class CanonicalView:
                 return False
             perm = p
             inner.append(t.invars[0])
+            moved.extend(self.origin(t))
         if perm is None:
             return False
         under = tuple(next(a for a in inner if C.is_var(a) and a.aval.shape != ()).aval.shape)
         y = self._fresh_var(out.aval.update(shape=under))
-        self._emit(e.primitive, inner, [y], e.params, e, (e,))
+        # it reads under the transposes: a match taking it takes them (the program's
+        # transposes read what it computes)
+        self._emit(e.primitive, inner, [y], e.params, e, (e, *moved))
         prim, _ = _bare("transpose")
         self._emit(prim, [y], [out], {"permutation": perm}, e, (e,))
         return True
@@ -553,11 +557,12 @@ class CanonicalView:
         q = tuple(order.index(perm[j]) for j in kept)
         out = e.outvars[0]
         params = dict(e.params, axes=new_axes)
+        origin = (e, *self.origin(t))
         if q == tuple(range(len(q))):
-            return self._emit(e.primitive, [t.invars[0]], [out], params, e, (e,))
+            return self._emit(e.primitive, [t.invars[0]], [out], params, e, origin)
         under = tuple(out.aval.shape[q.index(i)] for i in range(len(q)))
         y = self._fresh_var(out.aval.update(shape=under))
-        self._emit(e.primitive, [t.invars[0]], [y], params, e, (e,))
+        self._emit(e.primitive, [t.invars[0]], [y], params, e, origin)
         prim, _ = _bare("transpose")
         return self._emit(prim, [y], [out], {"permutation": q}, e, (e,))
 

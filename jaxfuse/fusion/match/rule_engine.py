@@ -186,14 +186,15 @@ class _Matcher:
                 yield state
             return
         if id(p) in self.invars:
+            ge = self.graph.producer(g)
+            if not self.exact and ge is not None and _widening(ge):
+                # the narrower value a cast widens first (a 16-bit program's
+                # float32 arithmetic: the value it stores), then the widened
+                # one; the exact pass tells which computes the pattern
+                yield from self.atom(p, ge.invars[0], state, depth + 1)
             s = state.bind(p, g)
             if s is not None:
                 yield s
-            ge = self.graph.producer(g)
-            if not self.exact and ge is not None and _widening(ge):
-                # or the narrower value a cast widens (a 16-bit program's
-                # float32 arithmetic): the exact pass tells which
-                yield from self.atom(p, ge.invars[0], state, depth + 1)
             return
         pe = self.producer[id(p)]
         if not self.exact and pe.primitive.name in _SHAPE_ONLY and len(pe.invars) == 1:
