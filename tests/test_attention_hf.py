@@ -304,3 +304,25 @@ def test_float64_is_named(rng):
         q, k, v = (x.astype(jnp.float64) for x in _qkv(rng))
         reason = _near_miss(_plain_attention, q, k, v)
     assert reason.code == "attention-dtype" and "float64" in str(reason)
+
+
+# ------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_16_bit_hf_models_get_cudnn_under_auto_gpu(family):
+    # On an NVIDIA GPU with cuDNN, auto applies the rule where cuDNN's fused
+    # kernel takes the site (bfloat16, head size a multiple of 8), and the
+    # lowered program holds cuDNN's fused attention.
+    from jaxfuse import _compat
+
+    if _compat.cudnn_version() is None:
+        pytest.skip("jax finds no cuDNN")
+    forward, params, inputs = H.build(family, jnp.bfloat16)
+    found = sites(forward, params, *inputs, policy="auto")
+    assert found and all(s.fused for s in found), found
+    opt = jaxfuse.optimize(forward, patterns=_rules())
+    assert "__cudnn$fmha" in jax.jit(opt).lower(params, *inputs).as_text()
+    f32, p32, _ = H.build(family, jnp.float32)
+    want = np.asarray(jax.jit(f32)(p32, *inputs), np.float64)
+    err = lambda x: float(np.linalg.norm(np.asarray(x, np.float64) - want) / np.linalg.norm(want))  # noqa: E731
+    assert err(opt(params, *inputs)) <= max(2 * err(jax.jit(forward)(params, *inputs)), 2e-2)

@@ -1143,6 +1143,8 @@ def cost(m: Match, graph) -> Reason | None:
         bias = jax.ShapeDtypeStruct((1,), plan.dtype) if (plan.bias or plan.masks) else None
         impl, why = implementation(q, k, v, bias=bias, platform=platform, compute_capability=cc,
                                    cudnn_version=cudnn)
+        if impl == "cudnn" and plan.window is not None and not (plan.causal and plan.window[1] == 0):
+            impl, why = "xla", f"window {plan.window}: cuDNN takes only a left window with a causal mask"
         if impl != "cudnn":
             return COST(why=f"on a GPU jax.nn's attention pays only as cuDNN's fused kernel, "
                             f"which this one cannot take ({why})")

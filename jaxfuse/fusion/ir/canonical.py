@@ -17,7 +17,10 @@ attention, and still misses real models), the matcher compares these up to:
     round differently, as any rule's replacement may).
 
 `jit` wrappers are peeled before matching by the walker's own view (small
-calls inlined on both sides).
+calls inlined on both sides). `CanonicalView` (below) reads a whole jaxpr in
+one spelling of powers, square roots, casts and transposes, for both sides of
+a rule; `evaluate` computes what a program builds from constants alone (a
+causal mask from `iota`s), for the attention rule.
 """
 
 from __future__ import annotations

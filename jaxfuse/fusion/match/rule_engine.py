@@ -31,7 +31,15 @@ a value computed inside the match and read outside it, an effect, or an
 overlap with another rewrite declines the site. The replacement is bound as
 one `jit` call named after the rule, so the rewritten program's gradient is
 the replacement's own (JAX differentiates it, or uses its custom_vjp). A rule
-applies at every safe site whatever the policy: the user asked for it.
+applies at every safe site whatever the policy (the user asked for it),
+unless it has a `cost`: asked under `policy="auto"` only, it may decline a
+site for cost.
+
+Both sides are read in canonical spellings first (`canonical.CanonicalView`:
+powers of two as products, `/ sqrt` as `* rsqrt`, casts that keep the values
+dropped, repeated equations merged, transposes moved to the results), so a
+rule written in one spelling matches the equivalent ones; a match still binds
+and defines only values the program itself holds.
 """
 
 from __future__ import annotations
