@@ -3,6 +3,8 @@ against `jax.nn.dot_product_attention` as the attention rule calls it, per
 shape and dtype: time (paired, interleaved rounds) and XLA's temp bytes.
 
     python benchmarks/probes/attention_cost.py [--reps 15] [--out FILE.json]
+    python benchmarks/probes/attention_cost.py --models hf_bert_encoder,hf_gpt2_decoder \
+        --shapes 8x64,8x128,4x256 [--dtypes float32]
 
 Forms (q, k, v of shape (B, T, 12, 64), a padding mask (B, T) with padded keys):
   hand           flax's `dot_product_attention_weights` as HF calls it: q / sqrt(d),
@@ -108,18 +110,53 @@ def run(shapes, dtypes, reps):
     return rows
 
 
+def run_models(workloads, shapes, dtypes, reps):
+    """The benchmark's HF workloads (jaxfuse_bench.models) at `shapes`: jax.jit
+    against every attention site rewritten (policy="always"), paired."""
+    import jaxfuse
+    from jaxfuse_bench import models
+
+    rows = []
+    for wl in workloads:
+        for dtype in dtypes:
+            for b, t in shapes:
+                spec = models.BUILDERS[wl]((b, t), jnp.dtype(dtype), jax.random.key(1))
+                data = models._data_sets(spec.data_shapes, jnp.dtype(dtype), 1, 0)[0]
+                fns = {"xla": jax.jit(spec.fn),
+                       "rule": jaxfuse.optimize(spec.fn, patterns=list(spec.rules), policy="always")}
+                temp = {n: memory_stats(f.lower(spec.params, *data).compile().memory_analysis())["temp"]
+                        for n, f in fns.items()}
+                cases = {n: (lambda f: lambda i: f(spec.params, *data))(f) for n, f in fns.items()}
+                res = measure_interleaved(cases, reps=reps)
+                r = ratio_ci(res["rule"][0].samples, res["xla"][0].samples)
+                row = dict(workload=wl, dtype=dtype, batch=b, tokens=t, xla_s=res["xla"][0].median,
+                           rule_s=res["rule"][0].median, ratio=r[0], ci=[r[1], r[2]],
+                           temp_xla=temp["xla"], temp_rule=temp["rule"])
+                rows.append(row)
+                print(f"{wl:16s} {dtype:9s} {b:3d}x{t:<5d} xla {row['xla_s'] * 1e3:8.2f} ms  rule "
+                      f"x{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]  temp {temp['xla'] / 2**20:6.1f} -> "
+                      f"{temp['rule'] / 2**20:6.1f} MiB", flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--shapes", default="8x128,2x512,4x256,16x64,1x1024")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--models", default=None,
+                    help="instead: time these benchmark workloads (hf_bert_encoder, hf_gpt2_decoder) "
+                         "under jit and with every attention site rewritten, at --shapes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     load = os.getloadavg()
     print(f"jax {jax.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, load {load[0]:.2f}", flush=True)
-    rows = run(shapes, args.dtypes.split(","), args.reps)
+    if args.models:
+        rows = run_models(args.models.split(","), shapes, args.dtypes.split(","), args.reps)
+    else:
+        rows = run(shapes, args.dtypes.split(","), args.reps)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"jax": jax.__version__, "cpus": os.cpu_count(), "load_before": load,
