@@ -258,8 +258,10 @@ def _through(atom, graph, names):
         passed.append(e)
 
 
-_KEEPDIMS = ("broadcast_in_dim", "reshape", "expand_dims", "stop_gradient", "max", "copy",
-             "convert_element_type")
+# what stands between a reduction and the operand it is subtracted from or
+# divides: keepdims (views, broadcasts), casts, jax.nn.softmax's stop_gradient
+# and `max(-inf, .)` (its `initial`)
+_KEEPDIMS = xla.VIEWS | {"broadcast_in_dim", "copy", "convert_element_type", "stop_gradient", "max"}
 
 
 def softmax_of(atom, graph: Graph) -> _Softmax | None:
@@ -275,8 +277,7 @@ def softmax_of(atom, graph: Graph) -> _Softmax | None:
     if exp is None or exp.primitive.name != "exp":
         return None
     # jnp.sum at 16 bits accumulates in float32: casts around the sum
-    total, passed = _through(denom, graph, ("broadcast_in_dim", "reshape", "expand_dims", "copy",
-                                            "convert_element_type"))
+    total, passed = _through(denom, graph, _KEEPDIMS - {"stop_gradient", "max"})
     red = graph.producer(total)
     if red is None or red.primitive.name != "reduce_sum":
         return None

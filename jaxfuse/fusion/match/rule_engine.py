@@ -55,15 +55,16 @@ import jax
 
 from ... import _compat as C
 from ..._reasons import Reason
+from ..ir import xla
 from ..ir.canonical import RESPELLED, SPELLED_AS, CanonicalView, close_to_reciprocal, contraction
 from ..ir.graph import Graph, output_index
 from .patterns import Match, Pattern
 from ..target import target_platform
 
-# Steps that only change how a value is laid out or typed, not its elements.
-_SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-                         "convert_element_type", "pvary"})
-_COMMUTATIVE = frozenset({"add", "add_any", "mul", "max", "min", "and", "or", "xor", "eq", "ne"})
+# Steps that only change how a value is laid out or typed (skipped by the
+# structural pass), and binary primitives whose operands may swap: xla.py's facts.
+_SHAPE_ONLY = xla.SHAPE_ONLY
+_COMMUTATIVE = xla.COMMUTATIVE
 # custom_jvp/custom_vjp params that are per-trace callables: two calls are the
 # same when their bodies and the function they came from are.
 _RULE_PARAMS = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "jvp", "fwd_jaxpr_thunk", "bwd",
