@@ -48,6 +48,15 @@ Workloads (sizes per platform in ``SIZES``: ``quick`` / ``cpu`` / ``gpu``)
                       modes add the attention rule (``jaxfuse.rules.attention``),
                       which replaces flax's hand-written attention with
                       ``jax.nn.dot_product_attention``.  Needs flax.
+* ``hf_bert_encoder`` HuggingFace transformers' ``FlaxBertModel`` at BERT-base
+                      width (hidden 768, 12 heads of 64, MLP 3072), 2 layers,
+                      forward, with a padding mask (a quarter of the rows end
+                      in padding); the jaxfuse modes add the attention rule,
+                      so ``jaxfuse`` shows its per-site cost decisions and
+                      ``jaxfuse-always`` every site rewritten.  Needs
+                      transformers (a release with Flax models, <4.58).
+* ``hf_gpt2_decoder`` ``FlaxGPT2Model`` at the same width, 2 layers: causal
+                      attention with the padding mask.  Needs transformers.
 
 A workload whose library is missing is skipped with a printed reason.
 
@@ -74,7 +83,8 @@ from . import workloads as W
 
 MODEL_WORKLOADS = ("relu_add", "scale_shift", "dense_relu", "mlp", "mlp_train_step", "flax_cnn",
                    "eqx_nchw_conv", "resnet_block", "stax_resnet50", "haiku_resnet_train",
-                   "haiku_resnet_eval", "haiku_resnet50_eval", "linen_ffn_train", "eqx_mlp_train", "linen_attention")
+                   "haiku_resnet_eval", "haiku_resnet50_eval", "linen_ffn_train", "eqx_mlp_train", "linen_attention",
+                   "hf_bert_encoder", "hf_gpt2_decoder")
 
 SIZES: dict[str, dict[str, tuple]] = {
     "relu_add": {"quick": (1 << 20,), "cpu": (1 << 22,), "gpu": (1 << 26,)},
@@ -100,6 +110,9 @@ SIZES: dict[str, dict[str, tuple]] = {
     "eqx_mlp_train": {"quick": (64, 64, 128), "cpu": (128, 128, 256), "gpu": (512, 512, 1024)},
     # (batch, tokens, model width); heads of 64
     "linen_attention": {"quick": (4, 64, 128), "cpu": (8, 256, 256), "gpu": (32, 1024, 1024)},
+    # (batch, tokens): BERT-base width, 2 layers
+    "hf_bert_encoder": {"quick": (2, 64), "cpu": (8, 128), "gpu": (32, 512)},
+    "hf_gpt2_decoder": {"quick": (2, 64), "cpu": (8, 128), "gpu": (32, 512)},
 }
 
 REQUIRES: dict[str, tuple[str, ...]] = {
@@ -112,9 +125,12 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "linen_ffn_train": ("flax", "optax"),
     "eqx_mlp_train": ("equinox", "optax"),
     "linen_attention": ("flax",),
+    "hf_bert_encoder": ("flax", "transformers"),
+    "hf_gpt2_decoder": ("flax", "transformers"),
 }
 
 NUM_CLASSES = 10
+HF_VOCAB = 1000  # the token embeddings are not what these workloads measure
 
 
 class Skip(Exception):
@@ -491,6 +507,51 @@ def _linen_attention(size, dtype, key):
                 rules=tuple(jaxfuse.rules.attention.rules()))
 
 
+def _hf_model(config, dtype, key):
+    import warnings
+
+    import transformers
+
+    seed = int(jax.random.randint(key, (), 0, 2 ** 31 - 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notice that its Flax models are deprecated
+        model = getattr(transformers, config[0])(getattr(transformers, config[1])(**config[2]),
+                                                 seed=seed, dtype=dtype)
+    return model, _cast(model.params, dtype)
+
+
+def _hf_forward(model):
+    def forward(params, ids, mask):
+        return model(ids, attention_mask=mask, params=params).last_hidden_state
+    return forward
+
+
+def _hf_bert_encoder(size, dtype, key):
+    import jaxfuse.rules
+
+    batch, tokens = size
+    model, params = _hf_model(("FlaxBertModel", "BertConfig", dict(
+        vocab_size=HF_VOCAB, hidden_size=768, num_hidden_layers=2, num_attention_heads=12,
+        intermediate_size=3072, max_position_embeddings=max(512, tokens))), dtype, key)
+    return Spec(_hf_forward(model), params, (((batch, tokens), "tokens"), ((batch, tokens), "padding")),
+                (batch, tokens), note="HF FlaxBertModel, BERT-base width (768, 12 heads of 64), 2 layers, "
+                                      "padding mask; jaxfuse modes add the attention rule",
+                rules=tuple(jaxfuse.rules.attention.rules()))
+
+
+def _hf_gpt2_decoder(size, dtype, key):
+    import jaxfuse.rules
+
+    batch, tokens = size
+    model, params = _hf_model(("FlaxGPT2Model", "GPT2Config", dict(
+        vocab_size=HF_VOCAB, n_embd=768, n_layer=2, n_head=12, n_positions=max(1024, tokens))),
+        dtype, key)
+    return Spec(_hf_forward(model), params, (((batch, tokens), "tokens"), ((batch, tokens), "padding")),
+                (batch, tokens), note="HF FlaxGPT2Model, width 768, 12 heads of 64, 2 layers, causal with "
+                                      "a padding mask; jaxfuse modes add the attention rule",
+                rules=tuple(jaxfuse.rules.attention.rules()))
+
+
 def _eqx_mlp_train(size, dtype, key):
     import equinox as eqx
     import optax
@@ -513,6 +574,7 @@ BUILDERS: dict[str, Callable] = {
     "relu_add": _relu_add, "scale_shift": _scale_shift, "dense_relu": _dense_relu, "mlp": _mlp,
     "mlp_train_step": _mlp_train_step, "flax_cnn": _flax_cnn, "eqx_nchw_conv": _eqx_nchw_conv,
     "resnet_block": _resnet_block, "stax_resnet50": _stax_resnet50,
+    "hf_bert_encoder": _hf_bert_encoder, "hf_gpt2_decoder": _hf_gpt2_decoder,
 }
 
 
@@ -525,6 +587,7 @@ SIZE_FORMS: dict[str, str] = {
     "haiku_resnet_eval": "batch x size x width", "haiku_resnet50_eval": "batch x image size",
     "linen_ffn_train": "batch x tokens x width", "eqx_mlp_train": "batch x features x width",
     "linen_attention": "batch x tokens x width",
+    "hf_bert_encoder": "batch x tokens", "hf_gpt2_decoder": "batch x tokens",
 }
 
 
@@ -543,6 +606,12 @@ def _data_sets(data_shapes, dtype, n_sets: int, seed: int) -> list[tuple]:
         for k, (shape, kind) in zip(keys, data_shapes):
             if kind == "labels":
                 out.append(jax.random.randint(k, shape, 0, NUM_CLASSES, jnp.int32))
+            elif kind == "tokens":
+                out.append(jax.random.randint(k, shape, 0, HF_VOCAB, jnp.int32))
+            elif kind == "padding":  # (batch, tokens): row b ends in (b % 4) eighths of padding
+                batch, tokens = shape
+                length = tokens - (jnp.arange(batch) % 4) * (tokens // 8)
+                out.append((jnp.arange(tokens)[None, :] < length[:, None]).astype(jnp.int32))
             else:
                 out.append(jax.random.normal(k, shape, jnp.float32).astype(dtype))
         return tuple(out)

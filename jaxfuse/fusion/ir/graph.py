@@ -10,7 +10,7 @@ import numpy as np
 import jax
 
 from ... import _compat as C
-from .canonical import FOLDABLE, fold
+from .canonical import FOLDABLE, _slice, fold
 from .xla import SHAPE_ONLY
 
 # Equations that only reshape or retype a constant: looking through them keeps
@@ -23,8 +23,13 @@ _CONST_PRESERVING = {
     "convert_element_type": lambda v, p: _cast(v, p["new_dtype"]),
     # shard_map marks a replicated constant as varying over manual axes: same value
     "pvary": lambda v, p: v,
+    "copy": lambda v, p: v,
+    # a scalar held before its broadcast is the same scalar sliced (other
+    # values are sliced only at their own shape: `_const_value`)
+    "slice": lambda v, p: v if np.ndim(v) == 0 else _slice(v, p),
 }
-assert frozenset(_CONST_PRESERVING) == SHAPE_ONLY  # the set is xla.py's; this adds the values
+# xla.py's shape-only steps, each with how it maps a constant's value, and more
+assert SHAPE_ONLY <= frozenset(_CONST_PRESERVING)
 
 _FOLD_DEPTH = 8
 
@@ -121,6 +126,13 @@ class Graph:
             self._memo[key] = compute()
         return self._memo[key]
 
+    def respelled(self, jaxpr: C.Jaxpr) -> "Graph":
+        """A graph of `jaxpr`, another spelling of this one over the same
+        inputs and constants (`canonical.CanonicalView`)."""
+        g = Graph(jaxpr, None, outer=self._outer, feeds=self.feeds)
+        g._consts = dict(self._consts)
+        return g
+
     def sub(self, jaxpr: C.Jaxpr, consts, operands) -> "Graph":
         """A graph of a callee body whose invars are bound to `operands` here."""
         outer = {v: (self, a) for v, a in zip(jaxpr.invars, operands)}
@@ -162,6 +174,9 @@ class Graph:
         src = self.const_value(eqn.invars[output_index(eqn, atom)], _depth)
         if src is None:
             return None
+        if eqn.primitive.name == "slice" and np.ndim(src) and \
+                np.shape(src) != tuple(eqn.invars[0].aval.shape):
+            return None  # held before a broadcast: not at the shape the slice reads
         return _CONST_PRESERVING[eqn.primitive.name](src, eqn.params)
 
 

@@ -51,9 +51,19 @@ FUSIBLE = frozenset({
 """Equations XLA fuses into the loop that reads their result, so their result
 is never in memory in XLA's own program."""
 
-FUSING_CONSUMERS = FUSIBLE | frozenset({
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-    "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "reduce_window_sum",
+ELEMENTWISE = FUSIBLE - frozenset({
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
+    "dynamic_slice", "pad", "concatenate", "rev", "gather", "iota", "pvary"})
+"""Compute each result element from the operands' elements at the same index
+(operands of the result's shape, or scalars): a transpose of every operand is
+a transpose of the result."""
+
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                        "reduce_or", "argmax", "argmin"})
+"""Reduce over `axes`, keeping the other axes in order."""
+
+FUSING_CONSUMERS = FUSIBLE | REDUCTIONS | frozenset({
+    "cumsum", "cumprod", "cummax", "cummin", "reduce_window_sum",
 })
 """Loops that read a value XLA fuses into them: an elementwise producer is
 fused into a reduction's input loop as into an elementwise consumer."""

@@ -92,10 +92,6 @@ class Pattern:
     barrier: bool = False
     """The replacement is an opaque call, a fusion barrier to XLA: the cost
     model (`policy="auto"`) decides whether it pays off."""
-    cost: Callable[[Match, Any], Any] | None = None
-    """`cost(match, graph)`: why applying this (non-barrier) pattern at a match
-    would not pay (a `Reason` or a string), or None; asked under
-    `policy="auto"` only (a rule's `cost=`)."""
     form: str = ""
     """What a barrier pattern's kernel reads besides `x` ("plain", "scale_shift",
     "batchnorm", "residual"): the cost model's thresholds are measured per form."""
@@ -103,6 +99,10 @@ class Pattern:
     """Primitive names that must all appear in a jaxpr (its small `jit` calls
     inlined) for a match to be possible there: the walker does not offer the
     pattern a jaxpr that lacks one. None: no such filter."""
+    cost: Callable[[Match, Any], Any] | None = None
+    """Under `policy="auto"`, `cost(match, graph)` decides a safe site: a
+    reason (a `Reason` or a string) declines it for cost, None applies it.
+    Not consulted under "always". None: every safe site applies."""
 
     def __post_init__(self):
         if self.roots is not None:

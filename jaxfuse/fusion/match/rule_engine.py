@@ -31,7 +31,15 @@ a value computed inside the match and read outside it, an effect, or an
 overlap with another rewrite declines the site. The replacement is bound as
 one `jit` call named after the rule, so the rewritten program's gradient is
 the replacement's own (JAX differentiates it, or uses its custom_vjp). A rule
-applies at every safe site whatever the policy: the user asked for it.
+applies at every safe site whatever the policy (the user asked for it),
+unless it has a `cost`: asked under `policy="auto"` only, it may decline a
+site for cost.
+
+Both sides are read in canonical spellings first (`canonical.CanonicalView`:
+powers of two as products, `/ sqrt` as `* rsqrt`, casts that keep the values
+dropped, repeated equations merged, transposes moved to the results), so a
+rule written in one spelling matches the equivalent ones; a match still binds
+and defines only values the program itself holds.
 """
 
 from __future__ import annotations
@@ -46,15 +54,14 @@ import numpy as np
 import jax
 
 from ... import _compat as C
-from ..ir.canonical import close_to_reciprocal, contraction
+from ..._reasons import Reason
+from ..ir import xla
+from ..ir.canonical import RESPELLED, SPELLED_AS, CanonicalView, close_to_reciprocal, contraction
 from ..ir.graph import Graph, output_index
 from ..ir.inline import inline_small_calls
 from ..ir.target import target_platform
-from ..ir.xla import COMMUTATIVE, SHAPE_ONLY
 from .patterns import Match, Pattern
 
-_SHAPE_ONLY = SHAPE_ONLY
-_COMMUTATIVE = COMMUTATIVE
 # custom_jvp/custom_vjp params that are per-trace callables: two calls are the
 # same when their bodies and the function they came from are.
 _RULE_PARAMS = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "jvp", "fwd_jaxpr_thunk", "bwd",
@@ -118,8 +125,18 @@ def _describe(avals) -> str:
 def _trace(fun, avals) -> _Template:
     closed = jax.make_jaxpr(fun)(*avals)
     jaxpr = closed.jaxpr
-    view, _, _ = inline_small_calls(list(jaxpr.eqns))  # the walker's own view of the program
-    return _Template(C.replace_eqns(jaxpr, view), dict(zip(jaxpr.constvars, closed.consts)))
+    view, _, _ = inline_small_calls(list(jaxpr.eqns))
+    inlined = C.replace_eqns(jaxpr, view)
+    canonical = CanonicalView(inlined, Graph(inlined, closed.consts).const_value)
+    return _Template(canonical.jaxpr, dict(zip(jaxpr.constvars, closed.consts)))
+
+
+def _canonical_view(graph: Graph) -> tuple[CanonicalView, Graph]:
+    """The program's canonical view and its graph, once per jaxpr."""
+    def build():
+        view = CanonicalView(graph.jaxpr, graph.const_value)
+        return view, graph.respelled(view.jaxpr)
+    return graph.cached(("rule_engine.canonical",), build)
 
 
 # ------------------------------------------------------------------- matching
@@ -173,17 +190,23 @@ class _Matcher:
                 yield state
             return
         if id(p) in self.invars:
+            ge = self.graph.producer(g)
+            if not self.exact and ge is not None and _widening(ge):
+                # the narrower value a cast widens first (a 16-bit program's
+                # float32 arithmetic: the value it stores), then the widened
+                # one; the exact pass tells which computes the pattern
+                yield from self.atom(p, ge.invars[0], state, depth + 1)
             s = state.bind(p, g)
             if s is not None:
                 yield s
             return
         pe = self.producer[id(p)]
-        if not self.exact and pe.primitive.name in _SHAPE_ONLY and len(pe.invars) == 1:
+        if not self.exact and pe.primitive.name in xla.SHAPE_ONLY and len(pe.invars) == 1:
             yield from self.atom(pe.invars[0], g, state, depth + 1)
         ge = self.graph.producer(g)
         if ge is None:
             return
-        if not self.exact and ge.primitive.name in _SHAPE_ONLY and len(ge.invars) == 1:
+        if not self.exact and ge.primitive.name in xla.SHAPE_ONLY and len(ge.invars) == 1:
             yield from self.atom(p, ge.invars[0], state, depth + 1)
         yield from self.value(p, g, state, depth)
 
@@ -278,7 +301,7 @@ class _Matcher:
             return
         state = state.map(pe, ge)
         orders = [list(ge.invars)]
-        if pe.primitive.name in _COMMUTATIVE and len(ge.invars) == 2:
+        if pe.primitive.name in xla.COMMUTATIVE and len(ge.invars) == 2:
             orders.append(orders[0][::-1])
         for g_invars in orders:
             yield from self._all(list(pe.invars), g_invars, state, depth + 1)
@@ -331,11 +354,20 @@ def _needs(template: _Template) -> frozenset:
     names = set()
     for e in template.jaxpr.eqns:
         name = e.primitive.name
-        if (name in _SHAPE_ONLY or name in ("div", "mul") or id(e) in contracted
+        if (name in xla.SHAPE_ONLY or name in RESPELLED or id(e) in contracted
                 or all(template.graph.const_value(v) is not None for v in e.outvars)):
             continue
         names.add(name)
     return frozenset(names)
+
+
+def _widening(eqn) -> bool:
+    """A cast to a wider float: it keeps every value."""
+    if eqn.primitive.name != "convert_element_type" or len(eqn.invars) != 1:
+        return False
+    src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
+    return (src != dst and jax.numpy.issubdtype(src, jax.numpy.floating)
+            and jax.numpy.issubdtype(dst, jax.numpy.floating) and jax.numpy.promote_types(src, dst) == dst)
 
 
 def _transposed_later(eqn, graph: Graph) -> bool:
@@ -461,8 +493,9 @@ def _same_jaxpr(a: C.Jaxpr, b: C.Jaxpr) -> bool:
 # ----------------------------------------------------------------------- rule
 class _Rule:
     def __init__(self, patterns: Sequence[Callable], replacement: Callable, name: str,
-                 where: Callable | None, example_args):
+                 where: Callable | None, example_args, cost: Callable | None = None):
         self.patterns, self.replacement, self.name, self.where = patterns, replacement, name, where
+        self.cost_fn = cost
         self._templates: dict = {}
         arity = {_arity(p) for p in patterns} | {_arity(replacement)}
         arity.discard(None)
@@ -494,7 +527,8 @@ class _Rule:
             heads = {first.primitive.name}
             if id(template.jaxpr.outvars[0]) in template.contractions:
                 heads = {"dot_general", "transpose"}  # a program may end it either way
-            self.roots |= heads
+            # the program's root may spell the head otherwise (`x / sqrt(v)` for `x * rsqrt(v)`)
+            self.roots |= {n for h in heads for n in SPELLED_AS.get(h, (h,))}
             needs = _needs(template)
             self.needs = needs if k == 0 else self.needs & needs
             self._heads.append((k, template, heads))
@@ -535,16 +569,22 @@ class _Rule:
 
     # ---- Pattern protocol
     def match(self, eqn, graph: Graph):
+        # Both sides are read in their canonical spellings (`canonical.CanonicalView`):
+        # the program's root is the view's equation defining the root's result.
+        view, cgraph = _canonical_view(graph)
+        croot = view.producer(eqn.outvars[0]) if eqn.outvars else None
+        if croot is None:
+            return  # the root is a cast the view reads through
         for k, template, heads in self._heads:
-            if eqn.primitive.name not in heads:
+            if croot.primitive.name not in heads:
                 continue
-            loose = _Matcher(template, graph, exact=False)
+            loose = _Matcher(template, cgraph, exact=False)
             near, offered = None, False
             # Every binding that re-traces exactly, in order: the walker takes
             # the first `check` passes (`where` may decline one operand order
             # and accept the other).
-            for state, _ in loose.outputs(eqn, _State({}, {})):
-                found = self._verify(k, template, state, eqn, graph)
+            for state, _ in loose.outputs(croot, _State({}, {})):
+                found = self._in_program(self._verify(k, template, state, croot, cgraph), eqn, view)
                 if found is not None and "reason" not in found.info:
                     offered = True
                     yield found
@@ -554,6 +594,19 @@ class _Rule:
                 yield near  # declined, with the reason `explain` shows
             if offered or near is not None:
                 return
+
+    def _in_program(self, m: Match | None, root, view: CanonicalView) -> Match | None:
+        """A match found in the canonical view as the program's: rooted at
+        `root`, absorbing the program equations its equations stand for; a
+        near miss where it would read or define a value only the view holds."""
+        if m is None:
+            return None
+        eqns = tuple({id(p): p for e in m.eqns for p in view.origin(e)}.values())
+        if "reason" not in m.info and any(view.is_fresh(a) for a in (*m.operands, *m.outputs)):
+            return self._near_miss(root, _State({}, {}), m.operands,
+                                   "the match reads or defines a value the program computes only "
+                                   "in another layout")
+        return dataclasses.replace(m, root=root, eqns=eqns)
 
     def _verify(self, k, template, state, root, graph) -> Match | None:
         operands = tuple(state.bound.get(id(v)) for v in template.jaxpr.invars)
@@ -581,16 +634,29 @@ class _Rule:
         return Match(root=root, eqns=state.program_eqns(), operands=operands,
                      spelling=self.name, info={"rule": self, "reason": reason})
 
+    @staticmethod
+    def _shown(m: Match, graph: Graph) -> list:
+        """The operands as `where` and `cost` see them: constants' values, else avals."""
+        values = [graph.const_value(a) for a in m.operands]
+        return [v if v is not None else a for v, a in zip(values, m.info["avals"])]
+
     def check(self, m: Match, graph: Graph) -> str | None:
         if "reason" in m.info:
             return m.info["reason"]
         if self.where is not None:
-            values = [graph.const_value(a) for a in m.operands]
-            shown = [v if v is not None else a for v, a in zip(values, m.info["avals"])]
-            if not self.where(*shown):
+            if not self.where(*self._shown(m, graph)):
                 return f"`where` declined the operands {_describe(m.info['avals'])}"
         self.check_replacement(m.info["avals"], m.info["out_avals"])
         return None
+
+    def cost(self, m: Match, graph: Graph):
+        """Under `policy="auto"`: the user's `cost(*operands)` (a reason
+        declines the site for cost; None applies it)."""
+        why = self.cost_fn(*self._shown(m, graph))
+        if why is not None and not isinstance(why, (str, Reason)):
+            raise RuleError(f"jaxfuse.rule {self.name!r}: `cost` must return None, a string or a "
+                            f"jaxfuse Reason, got {type(why).__name__}")
+        return why
 
     def build(self, m: Match, graph: Graph):
         closed = self.replacement_call(m.info["avals"])
@@ -616,7 +682,7 @@ def _arity(fun) -> int | None:
 
 
 def rule(pattern, replacement: Callable, *, name: str | None = None,
-         where: Callable | None = None, example_args=None) -> Pattern:
+         where: Callable | None = None, example_args=None, cost: Callable | None = None) -> Pattern:
     """A `jaxfuse.Pattern` that replaces what `pattern` computes by `replacement`.
 
     `pattern`: a JAX function, or a list of them (several spellings, one
@@ -628,6 +694,10 @@ def rule(pattern, replacement: Callable, *, name: str | None = None,
     restricting the rule to some sites. `example_args`: arrays or
     `jax.ShapeDtypeStruct`s to trace the pattern at first (default: float32
     (4, 4) arrays); a rule matches at every shape and dtype all the same.
+    `cost(*operands)`: under `policy="auto"` only, whether a safe site pays:
+    None applies it, a reason (a string) declines it for cost, which
+    `explain` shows; under "always" every safe site applies. Without `cost`
+    a rule applies at every safe site under every policy.
     Use the result wherever patterns go: `optimize(f, patterns=[...])`,
     `explain`, `register_pattern`.
     """
@@ -635,9 +705,12 @@ def rule(pattern, replacement: Callable, *, name: str | None = None,
     if not patterns or not all(callable(p) for p in patterns) or not callable(replacement):
         raise TypeError("jaxfuse.rule: pattern(s) and replacement must be callables")
     name = name or getattr(patterns[0], "__name__", "rule")
-    r = _Rule(patterns, replacement, name, where, example_args)
+    if cost is not None and not callable(cost):
+        raise TypeError("jaxfuse.rule: cost must be a callable (or None)")
+    r = _Rule(patterns, replacement, name, where, example_args, cost)
     return Pattern(name, r.match, r.check, r.build, roots=frozenset(r.roots),
-                   doc=f"user rule {name!r}", needs=r.needs)
+                   doc=f"user rule {name!r}", needs=r.needs,
+                   cost=r.cost if cost is not None else None)
 
 
 __all__ = ["rule", "RuleError"]
