@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from ... import _compat as C
+from ...ops import kernels as _kernels
 from ..ir.subjaxprs import join_path
 
 
@@ -232,6 +233,10 @@ class Report:
                       if self.skipped else "")
                    + f" (policy {self.policy!r}"
                    + (f", platform {self.platform})" if self.platform else ")"))
+        unloaded = _kernels.not_loaded(self.platform)
+        if unloaded:  # said here, not only in a warning: nothing fused runs our kernel
+            summary += (f"; {self.platform} kernels not loaded ({unloaded}): the fused sites "
+                        f"run XLA's own ops")
         if self.measured:
             summary += f"\nmeasured: {self.measured}"
         if self.memory:

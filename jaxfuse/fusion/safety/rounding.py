@@ -353,7 +353,7 @@ def site_reason(labels, operands, addends, factors, out_aval, graph: Graph) -> s
         positional = _numerics.cpu_rounds_by_position(
             out_aval.dtype, out_shape, [o.shape for o in operands])
         if positional:
-            return positional
+            return str(positional)  # a Reason; this function still returns text
     for label in addends:
         why = addend_hazard(list(labels).index(label) + 1, label, by_label[label], out_shape, graph)
         if why:
