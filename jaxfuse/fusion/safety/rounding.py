@@ -350,10 +350,6 @@ def site_reason(labels, operands, addends, factors, out_aval, graph: Graph) -> s
         if not full(shapes, out_shape):
             return (f"the product `{product}` repeats along an outer dimension: whether XLA "
                     f"contracts it into a fused multiply-add depends on how its loop is unrolled")
-        positional = _numerics.cpu_rounds_by_position(
-            out_aval.dtype, out_shape, [o.shape for o in operands])
-        if positional:
-            return str(positional)  # a Reason; this function still returns text
     for label in addends:
         why = addend_hazard(list(labels).index(label) + 1, label, by_label[label], out_shape, graph)
         if why:
@@ -362,4 +358,9 @@ def site_reason(labels, operands, addends, factors, out_aval, graph: Graph) -> s
         why = chain_hazard(k + 1, label, by_label[label], out_shape, graph)
         if why:
             return why
+    # last: a hazard of the program's own (above) is the reason a reader can act on
+    positional = factors and _numerics.cpu_rounds_by_position(
+        out_aval.dtype, out_shape, [o.shape for o in operands])
+    if positional:
+        return str(positional)  # a Reason; this function still returns text
     return None
