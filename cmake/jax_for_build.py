@@ -99,7 +99,8 @@ def check(pyproject: str) -> tuple[list[str], list[str]]:
             f"({os.path.dirname(runtime['path'])}): pip's isolated build environment brought "
             f"its own jax, and kernels compiled against jaxlib {jaxlib.__version__}'s FFI headers "
             f"are not loaded by the older jaxlib {runtime['version']} (the fused ops would run "
-            f"XLA's own ops). Build with the environment's own jax:\n"
+            f"XLA's own ops). Build with the environment's own jax, the build tools beside it:\n"
+            f"  pip install nanobind scikit-build-core cmake ninja \"setuptools>=70.1\"\n"
             f"  pip install --no-build-isolation .")
     elif runtime["version"] != jaxlib.__version__:
         print(f"jaxfuse build: note: building against jaxlib {jaxlib.__version__}'s FFI headers "

@@ -118,12 +118,15 @@ _POSITION_011 = PositionRule((0, 10), frozenset({"avx512"}), frozenset({3, 7}), 
 # `vaddps`, `vaddps` (rounded twice), at 4x8 x*s+t still `vfmadd231ps`, and at
 # 64x33x7 with a (33, 1) scale the last column is rounded and the others
 # contracted. Seen with a per-channel operand (C,), a per-row one (R, 1) and
-# (C, 1) in (N, C, W), for float32 and float64, targeting AVX-512 (every row
-# count from 4) and AVX2 (float32, 4 rows); never with only full-size and
-# scalar operands, an innermost dimension of 2 or of 9 and more, or one row.
-# Which loops LLVM vectorizes that way follows its cost model, so the rule
-# takes every loop of that kind: an innermost dimension of 3 to 8, more than
-# one row, an operand that repeats along some dimension and not all.
+# (C, 1) in (N, C, W), for float32 and float64, targeting AVX-512 (at 4, 8, 16
+# and 67 rows, not at 2, 3 or 5) and AVX2 (float32, 4 rows); at 8 elements only
+# in loops of at most 8 rows or with an operand the same along the innermost
+# dimension; never with only full-size and scalar operands, an innermost
+# dimension of 2 or of 9 and more, or one row. Which loops LLVM vectorizes that
+# way follows its cost model, so the rule takes every loop of that kind: an
+# innermost dimension of 3 to 8, more than one row, an operand that repeats
+# along some dimension and not all (it declines some loops XLA rounds alike,
+# e.g. 512 rows of 8 with a (8,) scale: speed lost, never bits).
 _POSITION_012 = PositionRule((0, 12), frozenset({"avx2", "avx512"}),
                              frozenset(range(3, 9)), "anywhere", "jax 0.12.0.1")
 # Newest first: a jaxlib takes the first rule whose `since` it has reached.
