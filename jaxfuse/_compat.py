@@ -23,7 +23,7 @@ import numpy as np
 import jax
 from jax.extend import core as _xcore
 
-TESTED_JAX = ">=0.10,<0.12"  # keep in step with pyproject.toml
+TESTED_JAX = ">=0.10,<0.13"  # keep in step with pyproject.toml (tests/test_jax_versions.py)
 
 Jaxpr = _xcore.Jaxpr
 ClosedJaxpr = _xcore.ClosedJaxpr

@@ -97,7 +97,7 @@ LAYERS = {  # layer -> (module prefixes, layers it may import)
     "match": (("jaxfuse.fusion.match",), ("base", "ir")),
     "patterns": (("jaxfuse.fusion.patterns",), ("base", "ops", "ir", "safety", "match")),
     "tuning": (("jaxfuse.fusion.tuning",), ("base", "ops", "ir")),
-    "report": (("jaxfuse.fusion.report",), ("base", "ir", "tuning")),
+    "report": (("jaxfuse.fusion.report",), ("base", "ops", "ir", "tuning")),
     "policy": (("jaxfuse.fusion.policy",), ("base", "ops", "ir", "match", "tuning")),
     "api": (("jaxfuse.fusion.api", "jaxfuse.fusion"),
             ("base", "ops", "ir", "safety", "match", "patterns", "tuning", "report", "policy")),

@@ -212,6 +212,17 @@ def why_not(platform: str) -> str:
     return _runnable[platform]
 
 
+def not_loaded(platform: str | None) -> str | None:
+    """Why the fused ops cannot use jaxfuse's kernel on `platform` in this
+    process (not built, built against newer FFI headers than the running
+    jaxlib, registration failed, no device it covers); None where they can,
+    or where jaxfuse ships no kernel for the platform (XLA's own ops there by
+    design). `explain`'s summary line names it."""
+    if platform not in _MODULES:
+        return None
+    return why_not(platform) or None
+
+
 def kernels() -> dict[str, bool]:
     """Platforms where a jaxfuse kernel can run now: compiled, registered and, for
     CUDA, a visible GPU that the build covers, e.g. {"cpu": True, "cuda": False}.

@@ -155,7 +155,8 @@ def test_jacfwd_jacrev_and_vmap(rng):
 
 
 def test_lowers_to_one_custom_call_with_the_platforms_rounding(rng):
-    x, s, t = _tie_inputs(rng, (4, 8))
+    # rows of 16: jax 0.12 rounds rows of 3 to 8 by position, left to XLA there
+    x, s, t = _tie_inputs(rng, (4, 16))
     text = jax.jit(lambda x, s, t: jaxfuse.scale_shift_relu(x, s, t, residual=x)).lower(x, s, t).as_text()
     assert text.count("stablehlo.custom_call @jaxfuse_epilogue") == 1
     # XLA:CPU contracts float32 where the ISA it targets has FMA (jaxfuse/ops/numerics.py)

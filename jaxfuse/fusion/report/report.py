@@ -8,6 +8,7 @@ from typing import Any
 from ..._reasons import human_bytes
 from ..ir.sites import Site, Skipped, format_location
 from ..tuning.hlo_memory import slack, within
+from ...ops import kernels as _kernels
 
 __all__ = ["Report", "Site", "Skipped", "human_bytes"]
 
@@ -104,6 +105,10 @@ class Report:
                    + f" (policy {self.policy!r}"
                    + ("" if self.exact else ", exact=False")
                    + (f", platform {self.platform})" if self.platform else ")"))
+        unloaded = _kernels.not_loaded(self.platform)
+        if unloaded:  # said here, not only in a warning: nothing fused runs our kernel
+            summary += (f"; {self.platform} kernels not loaded ({unloaded}): the fused sites "
+                        f"run XLA's own ops")
         if self.measured:
             summary += f"\nmeasured: {self.measured}"
         if self.memory:

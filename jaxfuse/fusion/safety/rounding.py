@@ -76,9 +76,6 @@ ADDEND_PRODUCT = ReasonKind(
     "operand {position} (`{label}`) is a product (`{culprit}`) that XLA fuses into the site's add "
     "and contracts into a fused multiply-add, rounding once; the fused op would read it rounded",
     blame="producer", exact_only=True)
-POSITIONAL = ReasonKind("positional-rounding", "{text}", exact_only=True)
-"""XLA's own loop rounds some elements of the site differently from others
-(ops/numerics.py, `cpu_rounds_by_position`, says how)."""
 CHAIN_PRODUCT = ReasonKind(
     "chain-product",
     "operand {position} (`{label}`) is computed from a `{add}` of a product (`{culprit}`) that XLA "
@@ -262,10 +259,6 @@ def site_reason(labels, operands, addends, factors, out_aval, graph: Graph) -> R
             return PRODUCT_HOISTED(product=product)
         if not full(shapes, out_shape):
             return PRODUCT_REPEATS(product=product)
-        positional = _numerics.cpu_rounds_by_position(
-            out_aval.dtype, out_shape, [o.shape for o in operands])
-        if positional:
-            return POSITIONAL(text=positional)
     for label in addends:
         why = addend_hazard(list(labels).index(label) + 1, label, by_label[label], out_shape, graph)
         if why:
@@ -274,4 +267,7 @@ def site_reason(labels, operands, addends, factors, out_aval, graph: Graph) -> R
         why = chain_hazard(k + 1, label, by_label[label], out_shape, graph)
         if why:
             return why
-    return None
+    # last: a hazard of the program's own (above) is the reason a reader can act on
+    positional = factors and _numerics.cpu_rounds_by_position(
+        out_aval.dtype, out_shape, [o.shape for o in operands])
+    return positional or None
