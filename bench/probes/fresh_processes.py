@@ -33,7 +33,7 @@ JAXFUSE_CPU_HUGE_PAGES=1 JAXFUSE_CPU_PREFAULT=0), ``huge``
 (JAXFUSE_CPU_STREAMING), or ``NAME=VALUE[+NAME=VALUE...]`` for anything else.
 Usage:
     python bench/probes/fresh_processes.py [--log2 23,24] [--dtype float32]
-        [--settings default,old] [--processes 10] [--rounds 12] [--calls 4]
+        [--form plain] [--settings default,old] [--processes 10] [--rounds 12] [--calls 4]
         [--json out.jsonl]
 Needs the test-hook build (JAXFUSE_TEST_HOOKS=ON). Run from outside the source
 tree (or with the package installed).
@@ -108,7 +108,7 @@ def _setting_env(name: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in name.split("+"))
 
 
-def child(log2: int, dtype: str, rounds: int, calls: int, gap_ms: float) -> dict:
+def child(log2: int, dtype: str, form: str, rounds: int, calls: int, gap_ms: float) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -119,7 +119,9 @@ def child(log2: int, dtype: str, rounds: int, calls: int, gap_ms: float) -> dict
     if module is None or not getattr(module, "test_hooks", False):
         raise SystemExit("needs the CPU kernel built with JAXFUSE_TEST_HOOKS=ON")
     n = 1 << log2
-    a, b = (jax.random.normal(jax.random.key(k), (n,), jnp.dtype(dtype)) for k in (0, 1))
+    a = jax.random.normal(jax.random.key(0), (n,) if form == "plain" else (n // 1024, 1024),
+                          jnp.dtype(dtype))
+    b = jax.random.normal(jax.random.key(1), (n,) if form == "plain" else (1024,), jnp.dtype(dtype))
     f = lambda x, y: jax.nn.relu(x + y)  # noqa: E731
     fns = {"xla": jax.jit(f), "always": jaxfuse.optimize(f, policy="always"),
            "auto": jaxfuse.optimize(f)}
@@ -182,7 +184,7 @@ def child(log2: int, dtype: str, rounds: int, calls: int, gap_ms: float) -> dict
             huge = max(huge, _anon_huge_kib())
             del out
     total = rounds * calls
-    res = {"log2": log2, "dtype": dtype, "fused": fused,
+    res = {"log2": log2, "dtype": dtype, "form": form, "fused": fused,
            "xla_ms": 1e3 * statistics.median(times["xla"])}
     for m in fns:
         seq = addrs[m]
@@ -213,7 +215,7 @@ def child(log2: int, dtype: str, rounds: int, calls: int, gap_ms: float) -> dict
 
 def _line(i: int, setting: str, r: dict) -> str:
     x, k, u = r["xla"], r["always"], r["auto"]
-    return (f"{i:<3} {setting:11} 2^{r['log2']:<2} {r['dtype']:8} xla {x['ms']:7.2f} ms "
+    return (f"{i:<3} {setting:11} {r['form']:5} 2^{r['log2']:<2} {r['dtype']:8} xla {x['ms']:7.2f} ms "
             f"always {k['ratio']:5.2f} auto {u['ratio']:5.2f}{'' if r['fused']['auto'] else '(jit)'} | "
             f"faults/call xla {x['faults']:6.0f} always {k['faults']:6.0f} | "
             f"thp_alloc/call xla {x['vmstat']['thp_fault_alloc']:5.1f} always "
@@ -233,10 +235,11 @@ def _line(i: int, setting: str, r: dict) -> str:
 
 def _summary(results: dict) -> None:
     print("\nsummary: ratio to XLA over processes (min / median / max)")
-    for (setting, log2, dtype), rs in sorted(results.items()):
+    for (setting, form, log2, dtype), rs in sorted(results.items()):
         for m in ("always", "auto"):
             v = sorted(r[m]["ratio"] for r in rs)
-            print(f"  {setting:11} 2^{log2:<2} {dtype:8} {m:6} n={len(v):<3} "
+            jit = "" if m == "always" or any(r["fused"]["auto"] for r in rs) else " (jit's program)"
+            print(f"  {setting:11} {form:5} 2^{log2:<2} {dtype:8} {m:6}{jit} n={len(v):<3} "
                   f"{v[0]:.2f} / {statistics.median(v):.2f} / {v[-1]:.2f}   "
                   f"above 1.05: {sum(x > 1.05 for x in v)}   all: "
                   + " ".join(f"{x:.2f}" for x in v))
@@ -246,6 +249,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--log2", default="23,24")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--form", default="plain", choices=("plain", "bias"),
+                   help="plain: a and b of 2^k elements; bias: a of 2^k / 1024 x 1024, b of 1024")
     p.add_argument("--settings", default="default")
     p.add_argument("--processes", type=int, default=10)
     p.add_argument("--rounds", type=int, default=12)
@@ -257,7 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(int(args.log2), args.dtype, args.rounds, args.calls, args.gap_ms)))
+        print(json.dumps(child(int(args.log2), args.dtype, args.form, args.rounds, args.calls,
+                               args.gap_ms)))
         return 0
     settings = args.settings.split(",")
     results: dict = {}
@@ -267,16 +273,17 @@ def main(argv=None) -> int:
         for log2 in (int(k) for k in args.log2.split(",")):
             for setting in settings:
                 env = {**os.environ, **_setting_env(setting)}
-                proc = subprocess.run(
-                    [sys.executable, os.path.abspath(__file__), "--child", "--log2", str(log2),
-                     "--dtype", args.dtype, "--rounds", str(args.rounds), "--calls",
-                     str(args.calls), "--gap-ms", str(args.gap_ms)], env=env, capture_output=True, text=True)
+                command = [sys.executable, os.path.abspath(__file__), "--child",
+                           "--log2", str(log2), "--dtype", args.dtype, "--form", args.form,
+                           "--rounds", str(args.rounds), "--calls", str(args.calls),
+                           "--gap-ms", str(args.gap_ms)]
+                proc = subprocess.run(command, env=env, capture_output=True, text=True)
                 if proc.returncode != 0:
                     print(f"{i} {setting} 2^{log2}: failed\n{proc.stderr[-2000:]}", flush=True)
                     return 1
                 r = json.loads(proc.stdout.strip().splitlines()[-1])
                 r["setting"] = setting
-                results.setdefault((setting, log2, args.dtype), []).append(r)
+                results.setdefault((setting, args.form, log2, args.dtype), []).append(r)
                 print(_line(i, setting, r), flush=True)
                 if args.json:
                     with open(args.json, "a") as f:
