@@ -696,11 +696,12 @@ Scratch* ThreadScratch() {
 // the loop writes them; the pages are 4 KiB ones from the same free lists
 // XLA's own outputs come from. Huge pages (MADV_HUGEPAGE on the 2 MiB-aligned
 // interior) are only asked for where JAXFUSE_CPU_HUGE_PAGES says so: they
-// faulted in for 55-110 us per MiB where a process got back the ones it had
-// just freed, and for 200-2300 where it did not (freed on one CPU, faulted on
-// the other; the host had taken the memory back), so whether they won depended
-// on the process (issue 46, bench/results/notes/2026-12-04.md). Advisory only:
-// contents are untouched, and the advice does nothing where THP is "never".
+// faulted in for 60-110 us of CPU per MiB where a process got back the ones it
+// had just freed, and for 1000-2400 where it did not (freed on one CPU and
+// faulted on the other, a process's first ones), against 295-455 for 4 KiB
+// pages faulted in ahead, so whether they won depended on the process (issue
+// 46, bench/results/notes/2026-12-04.md). Advisory only: contents are
+// untouched, and the advice does nothing where THP is "never".
 // ---------------------------------------------------------------------------
 constexpr size_t kHugePage = size_t{2} << 20;
 constexpr size_t kPrefaultMin = size_t{8} << 20;  // bytes
