@@ -33,7 +33,7 @@ constexpr int64_t kMaxBlocks = 8192;  // grid-stride beyond that
 
 // Kernel variants, chosen at run time (jaxfuse._cuda_kernels.configure, from
 // JAXFUSE_CUDA_VARIANT) so a GPU can time them without a rebuild
-// (bench/probes/cuda_variants.py). The default stays the one validated bit for bit on
+// (benchmarks/probes/cuda_variants.py). The default stays the one validated bit for bit on
 // an H200 until a measurement there picks another.
 //   0  one 16-byte vector per thread per step, up to 8192 blocks
 //   1  two vectors per thread per step (more bytes in flight), a grid sized to
@@ -43,7 +43,7 @@ constexpr int64_t kMaxBlocks = 8192;  // grid-stride beyond that
 //      every variant already (const __restrict__), so this differs in stores
 //   3  2 + float16/bfloat16 through the hardware conversions (cvt), where the
 //      default does the rounding in integer code
-// PTX (sm_90, nvcc 13.0; bench/probes/vector_access.py, tests/test_cuda_vector_access.py):
+// PTX (sm_90, nvcc 13.0; benchmarks/probes/vector_access.py, tests/ops/test_cuda_vector_access.py):
 // every vector kernel loads 16 bytes per operand (ld.global.nc.v4) and stores
 // 16 (st.global.v4, or st.global.cs.v4 in variants 2-3; there the loads of the
 // scalar tail, under one vector, lose .nc). gpu_check.sh reads the SASS where

@@ -17,7 +17,8 @@ namespace jaxfuse {
 
 struct CpuSettings {
   int64_t max_threads = 0;    // 0: every thread of XLA's intra-op pool
-  bool huge_pages = true;     // madvise(MADV_HUGEPAGE) on large outputs
+  bool huge_pages = false;    // madvise(MADV_HUGEPAGE) on large outputs
+  bool prefault = true;       // the kernel faults in large outputs not yet faulted in
   int streaming = -1;         // 0 off, 1 on, -1 auto (output_reuse.h)
 };
 
@@ -46,11 +47,14 @@ struct SplitStats {
 };
 SplitStats LastSplit();
 
-// How the last call stored its output, and why (output_reuse.h).
+// How the last call stored its output, and why (output_reuse.h), and how its
+// pages were faulted in (epilogue_cpu.cc, "Pages for large outputs").
 struct StoreStats {
   bool streamed;
-  bool fresh_pages;        // auto found the output not yet faulted in (so plain stores)
+  bool fresh_pages;        // its output was found not yet faulted in (so plain stores)
   int64_t reuse_distance;  // bytes touched since its output was last written; -1 unknown
+  int pages;               // not prefaulted (0), prefaulted in 4 KiB (1) or huge (2) pages
+  int64_t prefault_ns;     // CPU time prefaulting took, summed over its threads
 };
 StoreStats LastStore();
 // the reuse distances a fresh tracker reports for a sequence of

@@ -30,14 +30,17 @@ NB_MODULE(_cpu_kernels, m) {
     d["max_rank"] = jaxfuse::kMaxRank;
     return d;
   }, "The kernels' limits (csrc/kernel_limits.h): the output rank they take.");
-  m.def("configure", [](int64_t max_threads, bool huge_pages, int streaming) {
+  m.def("configure", [](int64_t max_threads, bool huge_pages, int streaming, bool prefault) {
     jaxfuse::CpuSettings s;
     s.max_threads = max_threads;
     s.huge_pages = huge_pages;
     s.streaming = streaming;
+    s.prefault = prefault;
     jaxfuse::ConfigureCpu(s);
-  }, nb::arg("max_threads"), nb::arg("huge_pages"), nb::arg("streaming"),
-  "Run-time settings: thread cap (0: none), huge-page advice, streaming stores (-1 auto, 0 off, 1 on).");
+  }, nb::arg("max_threads"), nb::arg("huge_pages"), nb::arg("streaming"), nb::arg("prefault") = true,
+  "Run-time settings: thread cap (0: none), huge-page advice, streaming stores (-1 auto, 0 off, 1 on), "
+  "prefaulting large fresh outputs (off: left to the loop's first touch, advised to huge pages "
+  "unless the advice is off).");
   m.def("set_vector_path", [](bool avx2) { jaxfuse::SetVectorPath(avx2); }, nb::arg("avx2"),
   "Whether the AVX2 loops may run: only where XLA itself may use AVX2 (jaxfuse/_isa.py).");
   m.def("settings", []() {
@@ -45,6 +48,7 @@ NB_MODULE(_cpu_kernels, m) {
     nb::dict d;
     d["max_threads"] = s.max_threads;
     d["huge_pages"] = s.huge_pages;
+    d["prefault"] = s.prefault;
     d["streaming"] = s.streaming;
     d["streaming_cache_bytes"] = jaxfuse::StreamingCacheBytes();
     d["vector_path"] = jaxfuse::VectorPath();
@@ -71,8 +75,12 @@ NB_MODULE(_cpu_kernels, m) {
     d["streamed"] = st.streamed;
     d["fresh_pages"] = st.fresh_pages;
     d["reuse_distance"] = st.reuse_distance;
+    d["prefaulted"] = st.pages == 0 ? "" : st.pages == 2 ? "huge" : "small";
+    d["prefault_ns"] = st.prefault_ns;
     return d;
-  }, "Whether the last call streamed its output, and its output's reuse distance in bytes (-1: unknown).");
+  }, "Whether the last call streamed its output, its output's reuse distance in bytes (-1: unknown), "
+     "whether it faulted its output in ahead of the loop ('small' or 'huge' pages; '' not) and the "
+     "CPU time that took in ns, summed over its threads.");
   m.def("reuse_distances_for_tests", [](const std::vector<std::array<uint64_t, 3>>& calls) {
     return jaxfuse::ReuseDistancesForTests(calls);
   }, nb::arg("calls"),

@@ -20,6 +20,10 @@
 //    passes to three. Where the same buffer comes back still cached it loses,
 //    so by default (JAXFUSE_CPU_STREAMING=auto) a call streams only when its
 //    output was last written long enough ago (output_reuse.h).
+//  * An output of 8 MiB or more that is not yet faulted in (the C allocator
+//    maps large blocks fresh) is faulted in by the kernel 2 MiB ahead of the
+//    loop with one system call, not a trap per page ("Pages for large
+//    outputs" below).
 //  * Pacing: either handler accepts one operand more than it reads, and
 //    ignores it. XLA:CPU runs a program it estimates under 1000 flops inline on
 //    the dispatching thread, and counts a custom call as -1 flops, so a
@@ -34,6 +38,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <cstdio>
@@ -57,6 +62,7 @@
 #endif
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 #endif
 
@@ -69,10 +75,14 @@ namespace {
 // Settings
 // ---------------------------------------------------------------------------
 std::atomic<int64_t> g_max_threads{0};
-std::atomic<bool> g_huge_pages{true};
+std::atomic<bool> g_huge_pages{false};
+std::atomic<bool> g_prefault{true};
 std::atomic<int> g_streaming{-1};  // auto; jaxfuse/_env.py says why
 std::atomic<bool> g_vector_avx2{true};  // jaxfuse/_isa.py: XLA may use AVX2
 RecentOutputs g_recent_outputs;
+// Whether this kernel takes MADV_POPULATE_WRITE (Linux 5.14 on); cleared by
+// the first EINVAL, after which outputs fault in on first touch.
+std::atomic<bool> g_populate_ok{true};
 #if JAXFUSE_TEST_HOOKS
 // Split every call into this many regions (0: one per worker), so splits the
 // pool here cannot reach, and a caller whose helpers never run, get
@@ -84,6 +94,8 @@ std::atomic<int64_t> g_last_regions{0};
 std::atomic<int64_t> g_last_reuse{-1};
 std::atomic<bool> g_last_streamed{false};
 std::atomic<bool> g_last_fresh{false};
+std::atomic<int> g_last_pages{0};
+std::atomic<int64_t> g_last_prefault_ns{0};
 #endif
 
 // The last-level cache this core shares, from sysfs (what lscpu shows); glibc's
@@ -121,6 +133,7 @@ int64_t LastLevelCacheBytes() {
 void ConfigureCpu(const CpuSettings& s) {
   g_max_threads.store(s.max_threads < 0 ? 0 : s.max_threads);
   g_huge_pages.store(s.huge_pages);
+  g_prefault.store(s.prefault);
   g_streaming.store(s.streaming);
 }
 
@@ -128,6 +141,7 @@ CpuSettings CurrentCpuSettings() {
   CpuSettings s;
   s.max_threads = g_max_threads.load();
   s.huge_pages = g_huge_pages.load();
+  s.prefault = g_prefault.load();
   s.streaming = g_streaming.load();
   return s;
 }
@@ -144,7 +158,8 @@ SplitStats LastSplit() {
 }
 
 StoreStats LastStore() {
-  return {g_last_streamed.load(), g_last_fresh.load(), g_last_reuse.load()};
+  return {g_last_streamed.load(), g_last_fresh.load(), g_last_reuse.load(),
+          g_last_pages.load(), g_last_prefault_ns.load()};
 }
 
 std::vector<int64_t> ReuseDistancesForTests(
@@ -516,6 +531,7 @@ struct Call {
   size_t itemsize;
   BlockFn block;
   bool stream;
+  bool populate;               // fault the output in ahead of the loop (Prefault)
   // Derived walk: a run covers the dims from `run_from` on.
   int run_from;                // first collapsed dim inside a run
   int64_t run_len;             // elements per run
@@ -667,26 +683,35 @@ Scratch* ThreadScratch() {
 }
 
 // ---------------------------------------------------------------------------
-// Huge pages for large outputs (see README "CPU kernel details").
+// Pages for large outputs (docs/internals.md, "CPU kernel details").
 //
-// XLA allocates every output with the C allocator. When the block it gets is
-// fresh from the operating system, writing it costs one page fault per 4 KiB,
-// which at large sizes costs more than the arithmetic
-// (bench/results/cpu-loop-faults-2026-12-02.txt); asking for transparent huge
-// pages on the buffer's 2 MiB-aligned
-// interior makes that one fault per 2 MiB. Purely advisory: contents are
-// untouched; it does nothing where THP is "never" or already "always". The
-// advice stays on the address range after XLA frees the buffer, so later
-// blocks the allocator carves from that range may be backed by huge pages too.
+// XLA allocates every output with the C allocator, which maps a block of
+// 32 MiB or more fresh from the operating system each time (and may hand out
+// smaller ones fresh too). Writing such a block takes a page fault per 4 KiB,
+// more than the arithmetic at large sizes
+// (benchmarks/results/cpu-loop-faults-2026-12-02.txt). So an output of 8 MiB or
+// more that is not yet faulted in is faulted in by the kernel itself, 2 MiB
+// at a time just ahead of the loop, with MADV_POPULATE_WRITE: one system call
+// per 2 MiB rather than a trap per page, the zeroed lines still cached when
+// the loop writes them; the pages are 4 KiB ones from the same free lists
+// XLA's own outputs come from. Huge pages (MADV_HUGEPAGE on the 2 MiB-aligned
+// interior) are only asked for where JAXFUSE_CPU_HUGE_PAGES says so: they
+// faulted in for 60-110 us of CPU per MiB where a process got back the ones it
+// had just freed, and for 1000-2400 where it did not (freed on one CPU and
+// faulted on the other, a process's first ones), against 295-455 for 4 KiB
+// pages faulted in ahead, so whether they won depended on the process (issue
+// 46, benchmarks/results/notes/2026-12-04.md). Advisory only: contents are
+// untouched, and the advice does nothing where THP is "never".
 // ---------------------------------------------------------------------------
 constexpr size_t kHugePage = size_t{2} << 20;
-constexpr size_t kHugeAdviseMin = size_t{8} << 20;  // bytes
+constexpr size_t kPrefaultMin = size_t{8} << 20;  // bytes
+
+#if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
+#define MADV_POPULATE_WRITE 23  // Linux 5.14's value, for older headers
+#endif
 
 void AdviseHugePages(void* p, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (!g_huge_pages.load(std::memory_order_relaxed) || bytes < kHugeAdviseMin) {
-    return;
-  }
   uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) &
                  ~(uintptr_t)(kHugePage - 1);
   uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes) &
@@ -697,6 +722,52 @@ void AdviseHugePages(void* p, size_t bytes) {
 #else
   (void)p;
   (void)bytes;
+#endif
+}
+
+#if JAXFUSE_TEST_HOOKS
+int64_t ThreadCpuNs() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+#endif
+
+// Faults in the output ahead of elements [lo, hi): from where this worker
+// last got to (`*done_to`, an address) or lo, on to the end of the 2 MiB
+// block hi reaches, so a worker walking its region makes one system call per
+// 2 MiB. Returns the CPU time the calling thread spent in it (test-hook
+// builds only; 0 otherwise). A kernel without MADV_POPULATE_WRITE says EINVAL
+// once, and later calls leave their pages to the loop's first touch.
+int64_t Prefault(const Call& call, int64_t total, int64_t lo, int64_t hi, uintptr_t* done_to) {
+#if defined(__linux__)
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t base = reinterpret_cast<uintptr_t>(call.out);
+  const uintptr_t end = (base + total * call.itemsize + page - 1) & ~(page - 1);
+  const uintptr_t want = base + hi * call.itemsize;
+  if (want <= *done_to) return 0;
+  const uintptr_t b = std::max(base + lo * call.itemsize, *done_to) & ~(page - 1);
+  const uintptr_t e = std::min(end, (want + kHugePage - 1) & ~(uintptr_t)(kHugePage - 1));
+  *done_to = e;
+#if JAXFUSE_TEST_HOOKS
+  const int64_t t0 = ThreadCpuNs();
+#endif
+  if (madvise(reinterpret_cast<void*>(b), e - b, MADV_POPULATE_WRITE) != 0 &&
+      errno == EINVAL) {
+    g_populate_ok.store(false, std::memory_order_relaxed);
+  }
+#if JAXFUSE_TEST_HOOKS
+  return ThreadCpuNs() - t0;
+#else
+  return 0;
+#endif
+#else
+  (void)call;
+  (void)total;
+  (void)lo;
+  (void)hi;
+  (void)done_to;
+  return 0;
 #endif
 }
 
@@ -747,6 +818,7 @@ struct Job {
   std::unique_ptr<Region[]> regions;
   std::atomic<int64_t> tickets{0};
   std::atomic<int64_t> done{0};
+  std::atomic<int64_t> prefault_ns{0};  // summed over workers
 
   void Plan(int64_t n) {
     nregions = n;
@@ -764,10 +836,15 @@ struct Job {
         tickets.fetch_add(1, std::memory_order_relaxed) % nregions;
     for (int64_t k = 0; k < nregions; ++k) {
       Region& reg = regions[(own + k) % nregions];
+      uintptr_t done_to = 0;  // prefaulted up to here in this region
       for (;;) {
         int64_t i = reg.next.fetch_add(1, std::memory_order_relaxed);
         if (i >= reg.end) break;
         int64_t lo = i * kChunk, hi = std::min(total, lo + kChunk);
+        if (call.populate) {
+          prefault_ns.fetch_add(Prefault(call, total, lo, hi, &done_to),
+                                std::memory_order_relaxed);
+        }
         RunRange(call, lo, hi, ThreadScratch());
         done.fetch_add(1, std::memory_order_release);
       }
@@ -847,26 +924,54 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
   const int streaming = g_streaming.load(std::memory_order_relaxed);
   const int64_t reuse = g_recent_outputs.Record(
       reinterpret_cast<uintptr_t>(call.out), out_bytes, touched);
-  bool fresh = false;
+  // Whether the output is not yet faulted in, probed once, where either
+  // choice below needs it.
+  const bool large = out_bytes >= kPrefaultMin;
+  bool fresh = false, probed = false;
+  auto is_fresh = [&] {
+    if (!probed) fresh = FreshPages(call.out, out_bytes);
+    probed = true;
+    return fresh;
+  };
   call.stream = streaming == 1;
   // auto leaves 2-byte types alone: their kernels convert every element, and
   // streaming them (through the L1 block) lost at 2^23 bfloat16/float16.
   if (streaming < 0 && call.itemsize >= 4 &&
       ShouldStream(reuse, touched, StreamingCacheBytes())) {
-    fresh = FreshPages(call.out, out_bytes);
-    call.stream = !fresh;
+    call.stream = !is_fresh();
   }
 #if JF_X86
   call.stream = call.stream && HaveAvx2();
 #else
   call.stream = false;
 #endif
+  // A large output not yet faulted in is faulted in ahead of the loop, in
+  // huge pages only where asked ("Pages for large outputs" above).
+  const bool huge = g_huge_pages.load(std::memory_order_relaxed);
+  call.populate = false;
+  if (large && g_prefault.load(std::memory_order_relaxed) &&
+      g_populate_ok.load(std::memory_order_relaxed)) {
+    call.populate = is_fresh();
+    if (call.populate && huge) AdviseHugePages(call.out, out_bytes);
+  } else if (large && huge) {
+    // Not prefaulting (switched off, or a kernel without MADV_POPULATE_WRITE):
+    // advised whatever its state, faulted in by the loop's first touch.
+    AdviseHugePages(call.out, out_bytes);
+  }
 #if JAXFUSE_TEST_HOOKS
   g_last_reuse.store(reuse, std::memory_order_relaxed);
   g_last_streamed.store(call.stream, std::memory_order_relaxed);
   g_last_fresh.store(fresh, std::memory_order_relaxed);
+  g_last_pages.store(call.populate ? (huge ? 2 : 1) : 0, std::memory_order_relaxed);
+  g_last_prefault_ns.store(0, std::memory_order_relaxed);
 #endif
-  AdviseHugePages(call.out, out_bytes);
+  auto record = [&](int64_t ns) {  // what prefaulting took (test hooks)
+#if JAXFUSE_TEST_HOOKS
+    g_last_prefault_ns.store(ns, std::memory_order_relaxed);
+#else
+    (void)ns;
+#endif
+  };
 
   int64_t workers = std::max<int64_t>(1, pool.num_threads());
   const int64_t cap = g_max_threads.load(std::memory_order_relaxed);
@@ -882,7 +987,18 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
   const int64_t nregions =
       forced > 0 ? std::min(forced, nchunks) : std::max<int64_t>(workers, 1);
   if (workers <= 1 && nregions <= 1) {
-    RunRange(call, 0, total, ThreadScratch());
+    if (!call.populate) {
+      RunRange(call, 0, total, ThreadScratch());
+      return ffi::Error::Success();
+    }
+    int64_t ns = 0;
+    uintptr_t done_to = 0;
+    for (int64_t lo = 0; lo < total; lo += kChunk) {
+      const int64_t hi = std::min(total, lo + kChunk);
+      ns += Prefault(call, total, lo, hi, &done_to);
+      RunRange(call, lo, hi, ThreadScratch());
+    }
+    record(ns);
     return ffi::Error::Success();
   }
   // Small chunks, whatever the size: once the caller has run out of chunks
@@ -907,6 +1023,7 @@ ffi::Error Execute(ffi::ThreadPool pool, const char* op,
   while (job->done.load(std::memory_order_acquire) < job->nchunks) {
     if (++spins > 64) std::this_thread::yield();
   }
+  record(job->prefault_ns.load(std::memory_order_relaxed));
   return ffi::Error::Success();
 }
 

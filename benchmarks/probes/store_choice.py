@@ -53,7 +53,8 @@ def loop(module, base, reps, dtype):
         for r in range(reps):
             order = list(MODES) if r % 2 else list(MODES)[::-1]
             for m in order:
-                module.configure(base["max_threads"], base["huge_pages"], MODES[m])
+                module.configure(base["max_threads"], base["huge_pages"], MODES[m],
+                                 base["prefault"])
                 for _ in range(3):
                     jax.block_until_ready(fused(a, b))
                 t0 = time.perf_counter()
@@ -79,7 +80,8 @@ def bench(module, base, reps, dtype):
                 fused = groups[m].cases["jaxfuse"]
 
                 def case(i):
-                    module.configure(base["max_threads"], base["huge_pages"], MODES[m])
+                    module.configure(base["max_threads"], base["huge_pages"], MODES[m],
+                                 base["prefault"])
                     return fused(i)
                 return case
 
@@ -110,7 +112,8 @@ def main():
             for pattern in args.pattern.split(","):
                 {"loop": loop, "bench": bench}[pattern](module, base, args.reps, jnp.dtype(dtype))
     finally:
-        module.configure(base["max_threads"], base["huge_pages"], base["streaming"])
+        module.configure(base["max_threads"], base["huge_pages"], base["streaming"],
+                         base["prefault"])
 
 
 if __name__ == "__main__":

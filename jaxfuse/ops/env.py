@@ -87,7 +87,21 @@ class Settings:
     disable_kernels: bool
     """JAXFUSE_DISABLE_KERNELS: lower every fused op to XLA's own ops."""
     huge_pages: bool
-    """JAXFUSE_NO_MADVISE (inverted): huge-page advice on large CPU outputs."""
+    """JAXFUSE_CPU_HUGE_PAGES (default off): ask for 2 MiB pages
+    (madvise(MADV_HUGEPAGE)) under the CPU kernel's large outputs. Where a
+    process gets back the huge pages it has just freed they fault in for a
+    fraction of 4 KiB pages' cost, where it does not (freed on one CPU and
+    faulted on another, memory the host took back) for several times more, so
+    the same call won in one process and lost in the next (issue 46,
+    benchmarks/results/notes/2026-12-04.md). JAXFUSE_NO_MADVISE=1, the older
+    switch, keeps them off whatever this says."""
+    cpu_prefault: bool
+    """JAXFUSE_CPU_PREFAULT (default on): the CPU kernel faults in a large
+    output (8 MiB or more) that is not yet faulted in itself, 2 MiB at a time
+    ahead of its loop (madvise(MADV_POPULATE_WRITE): one system call, not a
+    trap per 4 KiB page). Off: the loop's first touch faults each page in, as
+    XLA's own loops do (and, with huge pages on, the kernel before
+    2026-12-04)."""
     cpu_max_threads: int
     """JAXFUSE_CPU_MAX_THREADS: cap on the CPU kernel's threads (0: none; at
     most MAX_THREADS)."""
@@ -112,9 +126,12 @@ class Settings:
 
 def read(environ=os.environ) -> Settings:
     streaming = choice("JAXFUSE_CPU_STREAMING", "auto", ("auto", "on", "off", "1", "0"), environ)
+    huge_pages = flag("JAXFUSE_CPU_HUGE_PAGES", False, environ)
+    no_madvise = flag("JAXFUSE_NO_MADVISE", False, environ)  # parsed either way: it warns
     return Settings(
         disable_kernels=flag("JAXFUSE_DISABLE_KERNELS", False, environ),
-        huge_pages=not flag("JAXFUSE_NO_MADVISE", False, environ),
+        huge_pages=huge_pages and not no_madvise,
+        cpu_prefault=flag("JAXFUSE_CPU_PREFAULT", True, environ),
         cpu_max_threads=count("JAXFUSE_CPU_MAX_THREADS", 0, MAX_THREADS, environ),
         cpu_streaming={"1": "on", "0": "off"}.get(streaming, streaming),
         cuda_variant=bounded("JAXFUSE_CUDA_VARIANT", 0, _VARIANT_NUMBERS, environ),

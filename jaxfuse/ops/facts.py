@@ -128,6 +128,10 @@ class PlatformFacts:
 # the largest of three runs (benchmarks/results/thresholds-cpu-2026-12-01.txt).
 #   * float32 relu(a + b) of two full operands pays from 2^22 elements; the
 #     other forms keep 2^23, where none lost (benchmarks/results/notes/2026-12-01-to-02.md).
+#     With large outputs prefaulted in 4 KiB pages, each threshold is the smallest
+#     size from which the kernel read below jit in every one of >= 10 fresh
+#     processes: float32 `a + b` 2^22, bias 2^23; bfloat16 `a + b` 2^20, bias 2^22
+#     (benchmarks/results/fresh-processes-cpu-zen4-2026-12-04.txt).
 #   * Conv-fed BatchNorm epilogues pay at far smaller sizes inside a conv net,
 #     so a band of sizes per form and channel width decides them; where
 #     XLA:CPU's YNNPACK fusion absorbs the convolutions and BatchNorms into one
@@ -157,7 +161,7 @@ PLATFORMS = {
                       "float16": 1 << 18},
         folds_dot_epilogue=False, folds_conv_epilogue=False, transposes_nchw_conv=True,
         narrow_matmuls_in_f32=True,
-        form_min_elements={("plain", "float32"): 1 << 22},
+        form_min_elements={("plain", "float32"): 1 << 22, ("bias", "bfloat16"): 1 << 22},
         conv_bands=(*(
             ConvBand(form, "float32", channels, low, 1 << 22)
             for form in ("scale_shift", "batchnorm", "residual")

@@ -92,7 +92,8 @@ def configure_cpu(settings: _env.Settings) -> None:
     module = _modules.get("cpu")
     if module is not None:
         streaming = {"auto": -1, "off": 0, "on": 1}[settings.cpu_streaming]
-        module.configure(settings.cpu_max_threads, settings.huge_pages, streaming)
+        module.configure(settings.cpu_max_threads, settings.huge_pages, streaming,
+                         settings.cpu_prefault)
 
 
 def configure_cuda(settings: _env.Settings) -> None:

@@ -25,8 +25,10 @@ from conftest import assert_bitwise_equal, random_operand
 
 @pytest.mark.parametrize("name,value,expected", [
     ("JAXFUSE_DISABLE_KERNELS", "true", True), ("JAXFUSE_DISABLE_KERNELS", "No", False),
-    ("JAXFUSE_DISABLE_KERNELS", "1", True), ("JAXFUSE_NO_MADVISE", "0", True),
-    ("JAXFUSE_NO_MADVISE", "yes", False), ("JAXFUSE_CPU_MAX_THREADS", "3", 3),
+    ("JAXFUSE_DISABLE_KERNELS", "1", True), ("JAXFUSE_NO_MADVISE", "0", False),
+    ("JAXFUSE_NO_MADVISE", "yes", False), ("JAXFUSE_CPU_HUGE_PAGES", "on", True),
+    ("JAXFUSE_CPU_HUGE_PAGES", "0", False), ("JAXFUSE_CPU_PREFAULT", "off", False),
+    ("JAXFUSE_CPU_PREFAULT", "1", True), ("JAXFUSE_CPU_MAX_THREADS", "3", 3),
     ("JAXFUSE_CUDA_VARIANT", "2", 2), ("JAXFUSE_CUDA_VARIANT", " 0 ", 0),
 ])
 def test_environment_switches_parse(name, value, expected):
@@ -34,14 +36,23 @@ def test_environment_switches_parse(name, value, expected):
         warnings.simplefilter("error")
         s = _env.read({name: value})
     got = {"JAXFUSE_DISABLE_KERNELS": s.disable_kernels, "JAXFUSE_NO_MADVISE": s.huge_pages,
+           "JAXFUSE_CPU_HUGE_PAGES": s.huge_pages, "JAXFUSE_CPU_PREFAULT": s.cpu_prefault,
            "JAXFUSE_CPU_MAX_THREADS": s.cpu_max_threads, "JAXFUSE_CUDA_VARIANT": s.cuda_variant}[name]
     assert got == expected
+
+
+def test_no_madvise_keeps_huge_pages_off_whatever_huge_pages_says():
+    """JAXFUSE_NO_MADVISE, the older switch, still means no huge-page advice."""
+    assert not _env.read({}).huge_pages  # off by default since 2026-12-04 (issue 46)
+    assert _env.read({"JAXFUSE_CPU_HUGE_PAGES": "1"}).huge_pages
+    assert not _env.read({"JAXFUSE_CPU_HUGE_PAGES": "1", "JAXFUSE_NO_MADVISE": "1"}).huge_pages
 
 
 @pytest.mark.parametrize("name,value", [
     ("JAXFUSE_CPU_MAX_THREADS", "abc"), ("JAXFUSE_CPU_MAX_THREADS", "-1"),
     ("JAXFUSE_CPU_MAX_THREADS", "1.5"), ("JAXFUSE_DISABLE_KERNELS", "maybe"),
     ("JAXFUSE_NO_MADVISE", "2"), ("JAXFUSE_CPU_STREAMING", "sometimes"),
+    ("JAXFUSE_CPU_HUGE_PAGES", "always"), ("JAXFUSE_CPU_PREFAULT", "2"),
     ("JAXFUSE_CUDA_VARIANT", "-1"), ("JAXFUSE_CUDA_VARIANT", "fast"),
 ])
 def test_environment_garbage_warns_with_name_and_value(name, value):
@@ -57,14 +68,17 @@ def test_cpu_kernel_receives_the_parsed_settings():
     module = _kernels._modules["cpu"]
     before = module.settings()
     try:
-        _kernels.configure_cpu(_env.read({"JAXFUSE_CPU_MAX_THREADS": "1", "JAXFUSE_NO_MADVISE": "1",
+        _kernels.configure_cpu(_env.read({"JAXFUSE_CPU_MAX_THREADS": "1", "JAXFUSE_CPU_HUGE_PAGES": "1",
+                                          "JAXFUSE_CPU_PREFAULT": "0",
                                           "JAXFUSE_CPU_STREAMING": "off"}))
         assert module.settings()["max_threads"] == 1
-        assert module.settings()["huge_pages"] is False and module.settings()["streaming"] == 0
+        assert module.settings()["huge_pages"] is True and module.settings()["streaming"] == 0
+        assert module.settings()["prefault"] is False
         x = jnp.asarray(random_operand(np.random.default_rng(0), (1 << 18,), np.float32))
         assert_bitwise_equal(jaxfuse.add_relu(x, x), jax.jit(lambda a: jnp.maximum(a + a, 0))(x))
     finally:
-        module.configure(before["max_threads"], before["huge_pages"], before["streaming"])
+        module.configure(before["max_threads"], before["huge_pages"], before["streaming"],
+                         before["prefault"])
 
 
 def test_cuda_module_receives_the_variant_without_a_gpu():
