@@ -57,6 +57,21 @@ Workloads (sizes per platform in ``SIZES``: ``quick`` / ``cpu`` / ``gpu``)
                       transformers (a release with Flax models, <4.58).
 * ``hf_gpt2_decoder`` ``FlaxGPT2Model`` at the same width, 2 layers: causal
                       attention with the padding mask.  Needs transformers.
+* ``llama_train``, ``llama_train_128k``
+                      HF transformers' ``FlaxLlamaForCausalLM`` (random
+                      weights, never a download): ``jax.value_and_grad`` of
+                      ``optax.softmax_cross_entropy_with_integer_labels(
+                      logits[:, :-1], ids[:, 1:]).mean()``, the language-model
+                      train step of jaxfuse's issue 45, at a 32000 and a 128256
+                      vocabulary (Llama 2's and Llama 3's); the jaxfuse modes add
+                      the cross-entropy rule (``jaxfuse.rules.cross_entropy``),
+                      which evaluates the head's loss and gradient over chunks of
+                      tokens.  Needs transformers, optax.
+* ``gpt2_train``, ``gpt2_train_128k``
+                      HF transformers' ``FlaxGPT2LMHeadModel`` (its head is the
+                      token embedding, tied), the same step with the one-hot
+                      spelling of transformers' ``run_clm_flax`` example
+                      (``optax.softmax_cross_entropy`` of flax's ``onehot``).
 
 A workload whose library is missing is skipped with a printed reason.
 
@@ -84,7 +99,8 @@ from . import workloads as W
 MODEL_WORKLOADS = ("relu_add", "scale_shift", "dense_relu", "mlp", "mlp_train_step", "flax_cnn",
                    "eqx_nchw_conv", "resnet_block", "stax_resnet50", "haiku_resnet_train",
                    "haiku_resnet_eval", "haiku_resnet50_eval", "linen_ffn_train", "eqx_mlp_train", "linen_attention",
-                   "hf_bert_encoder", "hf_gpt2_decoder")
+                   "hf_bert_encoder", "hf_gpt2_decoder",
+                   "llama_train", "llama_train_128k", "gpt2_train", "gpt2_train_128k")
 
 SIZES: dict[str, dict[str, tuple]] = {
     "relu_add": {"quick": (1 << 20,), "cpu": (1 << 22,), "gpu": (1 << 26,)},
@@ -113,6 +129,15 @@ SIZES: dict[str, dict[str, tuple]] = {
     # (batch, tokens): BERT-base width, 2 layers
     "hf_bert_encoder": {"quick": (2, 64), "cpu": (8, 128), "gpu": (32, 512)},
     "hf_gpt2_decoder": {"quick": (2, 64), "cpu": (8, 128), "gpu": (32, 512)},
+    # language-model train steps: (batch, tokens, width, layers, vocabulary)
+    "llama_train": {"quick": (2, 64, 64, 2, 4096), "cpu": (4, 256, 256, 2, 32000),
+                    "gpu": (8, 1024, 1024, 2, 32000)},
+    "llama_train_128k": {"quick": (2, 64, 64, 2, 16384), "cpu": (4, 256, 256, 2, 128256),
+                         "gpu": (8, 1024, 1024, 2, 128256)},
+    "gpt2_train": {"quick": (2, 64, 64, 2, 4096), "cpu": (4, 256, 256, 2, 32000),
+                   "gpu": (8, 1024, 1024, 2, 32000)},
+    "gpt2_train_128k": {"quick": (2, 64, 64, 2, 16384), "cpu": (4, 256, 256, 2, 128256),
+                        "gpu": (8, 1024, 1024, 2, 128256)},
 }
 
 REQUIRES: dict[str, tuple[str, ...]] = {
@@ -127,6 +152,10 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "linen_attention": ("flax",),
     "hf_bert_encoder": ("flax", "transformers"),
     "hf_gpt2_decoder": ("flax", "transformers"),
+    "llama_train": ("transformers", "optax"),
+    "llama_train_128k": ("transformers", "optax"),
+    "gpt2_train": ("transformers", "optax"),
+    "gpt2_train_128k": ("transformers", "optax"),
 }
 
 NUM_CLASSES = 10
@@ -153,7 +182,7 @@ class Spec:
 
     fn: Callable
     params: Any
-    data_shapes: tuple  # per data argument: (shape, kind) with kind "normal" or "labels"
+    data_shapes: tuple  # per data argument: (shape, kind), kind "normal", "labels" or ("tokens", V)
     shape: tuple  # what the table shows
     carry: bool = False  # fn returns the next params (a training step)
     note: str = ""
@@ -567,6 +596,62 @@ def _eqx_mlp_train(size, dtype, key):
                 carry=True, note=f"equinox.nn.MLP, depth 3, width {width}")
 
 
+def _causal_lm(size, dtype, key, which: str):
+    """An HF transformers Flax causal LM at random weights (no download) and
+    the issue's step: value_and_grad of its shifted next-token loss."""
+    import warnings
+
+    import optax
+    import transformers
+
+    import jaxfuse.rules
+
+    batch, tokens, width, layers, vocab = size
+    seed = int(jax.random.randint(key, (), 0, 1 << 30))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notice that its Flax classes are deprecated
+        if which == "llama":
+            cfg = transformers.LlamaConfig(
+                vocab_size=vocab, hidden_size=width, intermediate_size=int(width * 8 / 3) // 8 * 8,
+                num_hidden_layers=layers, num_attention_heads=max(1, width // 64),
+                num_key_value_heads=max(1, width // 64), max_position_embeddings=max(tokens, 128))
+            model = transformers.FlaxLlamaForCausalLM(cfg, seed=seed, dtype=dtype)
+        else:
+            cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers,
+                                          n_head=max(1, width // 64), n_positions=max(tokens, 128))
+            model = transformers.FlaxGPT2LMHeadModel(cfg, seed=seed, dtype=dtype)
+    params = _cast(model.params, dtype)
+
+    if which == "llama":
+        def loss(params, ids):
+            logits = model(ids, params=params).logits.astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+        spelling = "optax.softmax_cross_entropy_with_integer_labels"
+    else:
+        from flax.training.common_utils import onehot
+
+        def loss(params, ids):
+            logits = model(ids, params=params).logits.astype(jnp.float32)
+            shifted = logits[..., :-1, :]
+            return optax.softmax_cross_entropy(shifted, onehot(ids[..., 1:], shifted.shape[-1])).mean()
+        spelling = "optax.softmax_cross_entropy of a one-hot (run_clm_flax)"
+
+    return Spec(jax.value_and_grad(loss), params, (((batch, tokens), ("tokens", vocab)),),
+                (batch, tokens, width, layers, vocab),
+                note=f"HF Flax {'Llama' if which == 'llama' else 'GPT-2 (tied head)'}, width "
+                     f"{width}, {layers} layers, vocabulary {vocab}: value_and_grad of {spelling}; "
+                     f"jaxfuse modes add the cross-entropy rule",
+                rules=tuple(jaxfuse.rules.cross_entropy.rules()))
+
+
+def _llama_train(size, dtype, key):
+    return _causal_lm(size, dtype, key, "llama")
+
+
+def _gpt2_train(size, dtype, key):
+    return _causal_lm(size, dtype, key, "gpt2")
+
+
 BUILDERS: dict[str, Callable] = {
     "haiku_resnet_train": _haiku_resnet_train, "haiku_resnet_eval": _haiku_resnet_eval,
     "haiku_resnet50_eval": _haiku_resnet50_eval, "linen_ffn_train": _linen_ffn_train,
@@ -575,6 +660,8 @@ BUILDERS: dict[str, Callable] = {
     "mlp_train_step": _mlp_train_step, "flax_cnn": _flax_cnn, "eqx_nchw_conv": _eqx_nchw_conv,
     "resnet_block": _resnet_block, "stax_resnet50": _stax_resnet50,
     "hf_bert_encoder": _hf_bert_encoder, "hf_gpt2_decoder": _hf_gpt2_decoder,
+    "llama_train": _llama_train, "llama_train_128k": _llama_train,
+    "gpt2_train": _gpt2_train, "gpt2_train_128k": _gpt2_train,
 }
 
 
@@ -588,6 +675,10 @@ SIZE_FORMS: dict[str, str] = {
     "linen_ffn_train": "batch x tokens x width", "eqx_mlp_train": "batch x features x width",
     "linen_attention": "batch x tokens x width",
     "hf_bert_encoder": "batch x tokens", "hf_gpt2_decoder": "batch x tokens",
+    "llama_train": "batch x tokens x width x layers x vocabulary",
+    "llama_train_128k": "batch x tokens x width x layers x vocabulary",
+    "gpt2_train": "batch x tokens x width x layers x vocabulary",
+    "gpt2_train_128k": "batch x tokens x width x layers x vocabulary",
 }
 
 
@@ -612,6 +703,8 @@ def _data_sets(data_shapes, dtype, n_sets: int, seed: int) -> list[tuple]:
                 batch, tokens = shape
                 length = tokens - (jnp.arange(batch) % 4) * (tokens // 8)
                 out.append((jnp.arange(tokens)[None, :] < length[:, None]).astype(jnp.int32))
+            elif isinstance(kind, tuple) and kind[0] == "tokens":
+                out.append(jax.random.randint(k, shape, 0, kind[1], jnp.int32))
             else:
                 out.append(jax.random.normal(k, shape, jnp.float32).astype(dtype))
         return tuple(out)

@@ -1,4 +1,4 @@
-"""Draws the pictures of docs/pictures.md into docs/images/.
+"""Draws the pictures of docs/pictures.md and docs/rules.md into docs/images/.
 
     python docs/images/make_pictures.py
 
@@ -38,6 +38,15 @@ def bottleneck(filters=(64, 64, 256)):
     return stax.serial(stax.FanOut(2), stax.parallel(main, shortcut), stax.FanInSum, stax.Relu)
 
 
+def next_token_loss(x, w, ids):
+    """A language model's head and loss: hidden states [batch, tokens, width],
+    a head [width, vocabulary], the shifted next-token cross-entropy."""
+    import optax
+
+    logits = x @ w
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+
+
 def main():
     x = y = jnp.ones((8, 128), jnp.float32)
     jaxfuse.explain(add_relu, x, y, policy="always").save(
@@ -50,6 +59,17 @@ def main():
     block = jaxfuse.explain(apply, params, jnp.ones((2, 16, 16, 64)), policy="always")
     print(block)
     block.save(os.path.join(HERE, "resnet50_block.svg"), kind="before", hops=1)
+
+    # docs/rules.md: the cross-entropy rule at the issue's shapes, the gradient in the program
+    import jaxfuse.rules.cross_entropy as xent
+
+    f32 = jnp.float32
+    args = (jax.ShapeDtypeStruct((4, 256, 256), f32), jax.ShapeDtypeStruct((256, 32000), f32),
+            jax.ShapeDtypeStruct((4, 256), jnp.int32))
+    step = jax.value_and_grad(next_token_loss, argnums=(0, 1))
+    site = jaxfuse.explain(jaxfuse.optimize(step, patterns=xent.rules()), *args)
+    print(site)
+    site.save(os.path.join(HERE, "cross_entropy.svg"))
 
 
 if __name__ == "__main__":

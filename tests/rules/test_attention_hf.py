@@ -178,8 +178,14 @@ def test_auto_applies_where_jax_nn_is_measured_to_win_and_says_why_elsewhere():
     q = jax.ShapeDtypeStruct((1, attention.CPU_MAX_KEYS + 8, 2, 16), jnp.float32)
     found = sites(_plain_attention, q, q, q, policy="auto", platform="cpu")
     assert len(found) == 1 and found[0].declined_for_cost and "keys on CPU" in str(found[0].reason)
-    q = jax.ShapeDtypeStruct((1, attention.CPU_MAX_KEYS, 2, 16), jnp.float32)
+    # at the measured limit the time test passes; the memory promise still holds: one head
+    # fits jit's peak, two hold more than its slack (jax.nn keeps about twice the float32
+    # logits) and are declined by the memory check, not by the cost hook
+    q = jax.ShapeDtypeStruct((1, attention.CPU_MAX_KEYS, 1, 16), jnp.float32)
     assert sites(_plain_attention, q, q, q, policy="auto", platform="cpu")[0].fused
+    q = jax.ShapeDtypeStruct((1, attention.CPU_MAX_KEYS, 2, 16), jnp.float32)
+    (site,) = sites(_plain_attention, q, q, q, policy="auto", platform="cpu")
+    assert not site.fused and site.why.code == "holds-more", site
 
 
 def _plain_attention(q, k, v, mask=None, bias=None):
@@ -231,7 +237,7 @@ def test_a_row_masked_whole_keeps_the_hand_written_values(rng):
 def _near_miss(fun, *args):
     (site,) = sites(fun, *args)
     assert not site.fused and not site.declined_for_cost, site
-    return site.reason
+    return site.why
 
 
 def _qkv(rng, b=2, t=6, n=2, h=8):
