@@ -32,15 +32,15 @@ def fused(fun, *args, rules=SMALL) -> int:
     return sum(e.params.get("name") == X.NAME for e in all_eqns(closed))
 
 
-def close(got, want, rtol=1e-4):
-    """Within float32 rounding: `rtol` of each value, or of the leaf's largest
-    (an element near zero in a gradient)."""
+def close(got, want, rtol=1e-4, floor=0.1):
+    """Within float32 rounding: `rtol` of each value, or `floor` x `rtol` of the
+    leaf's largest (an element near zero in a gradient)."""
     got, want = jax.tree.leaves(got), jax.tree.leaves(want)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         scale = np.max(np.abs(w[np.isfinite(w)]), initial=0.0)
-        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * 0.1 * scale, equal_nan=True)
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * floor * scale, equal_nan=True)
 
 
 class Compared:
@@ -57,16 +57,16 @@ class Compared:
         self.jit_temp = ref.memory_analysis().temp_size_in_bytes
 
 
-def check(fun, *args, rules=SMALL, loss_rtol=1e-5, rtol=1e-4) -> Compared:
+def check(fun, *args, rules=SMALL, loss_rtol=1e-5, rtol=1e-4, floor=0.1) -> Compared:
     """The optimized program replaces one site and gives jit's values (a
     (loss, gradients) pair: the loss within `loss_rtol`)."""
     c = Compared(fun, *args, rules=rules)
     assert c.sites == 1
     if isinstance(c.want, tuple) and len(c.want) == 2 and np.ndim(c.want[0]) == 0:
         close(c.got[0], c.want[0], rtol=loss_rtol)
-        close(c.got[1], c.want[1], rtol=rtol)
+        close(c.got[1], c.want[1], rtol=rtol, floor=floor)
     else:
-        close(c.got, c.want, rtol=rtol)
+        close(c.got, c.want, rtol=rtol, floor=floor)
     return c
 
 
@@ -204,11 +204,16 @@ def test_bfloat16_params_with_a_float32_loss(batch, model):
     params = m.to_bf16(m.params)
     loss = _step(m, "padding_mask", f32=True)
     bf16_ulp = 2.0 ** -7
+    # jit's own bfloat16 contraction over the tokens is one sum rounded once on jax 0.10
+    # (the rule's gradients were bit for bit jit's there); XLA 0.12 rounds partial sums of
+    # it, so an element where the terms cancel differs by a bfloat16 ulp of the sum's largest
+    # terms: one ulp of the leaf's largest value
     if model == "gpt2":  # the gradient in the program: the loop's own sums
-        check(jax.value_and_grad(loss), params, ids, mask, rtol=bf16_ulp, loss_rtol=bf16_ulp)
+        check(jax.value_and_grad(loss), params, ids, mask, rtol=bf16_ulp, loss_rtol=bf16_ulp,
+              floor=1.0)
     else:  # the gradient taken outside: the rule's backward
         close(jax.grad(jaxfuse.optimize(loss, patterns=SMALL, policy="always"))(params, ids, mask),
-              jax.jit(jax.grad(loss))(params, ids, mask), rtol=bf16_ulp)
+              jax.jit(jax.grad(loss))(params, ids, mask), rtol=bf16_ulp, floor=1.0)
 
 
 # --------------------------------------------------------- a plain head

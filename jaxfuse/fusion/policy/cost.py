@@ -295,4 +295,4 @@ def apply(closed, patterns, plan: Plan, origin=None) -> Walked:
     """The walk of `closed` under `plan`: every site the plan fuses, fused
     (`origin`: the (file, line) sites without a user frame are reported at)."""
     model = CostModel(plan) if plan.costed else None
-    return walk(closed, patterns, origin, cost=model, exact=plan.exact)
+    return walk(C.without_dead_code(closed), patterns, origin, cost=model, exact=plan.exact)

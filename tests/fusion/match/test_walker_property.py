@@ -70,22 +70,26 @@ def build(steps, outputs):
 
 
 def eligible_sites(steps, outputs, dtype):
-    """Counted on the program itself, independently of any jaxpr."""
+    """Counted on the program itself, independently of any jaxpr. Only what the
+    outputs depend on counts: the pass drops dead code before it looks for sites
+    (XLA drops it anyway), so a dead ReLU is no site and a dead reader is no use."""
     n_in = len(INPUT_SHAPES)
-    uses = [0] * (n_in + len(steps))
-    for op, x, y in steps:
-        for v in ([y] if op == "relu" else [x] if op == "add-const" else [x, y]):
-            uses[v] += 1
-    for v in outputs:
-        uses[v] += 1
-    live = set(outputs)  # values the outputs depend on (jit drops the rest)
+    live = set(outputs)  # values the outputs depend on
     for k in reversed(range(len(steps))):
         op, x, y = steps[k]
         if n_in + k in live:
             live.update([y] if op == "relu" else [x] if op == "add-const" else [x, y])
-    candidates = eligible = eligible_live = 0
+    uses = [0] * (n_in + len(steps))
+    for k, (op, x, y) in enumerate(steps):
+        if n_in + k in live:
+            for v in ([y] if op == "relu" else [x] if op == "add-const" else [x, y]):
+                uses[v] += 1
+    for v in outputs:
+        uses[v] += 1
+    candidates = eligible = 0
     for k, (op, kind, y) in enumerate(steps):
-        if op != "relu" or y < n_in or steps[y - n_in][0] not in ("add", "add-const"):
+        if op != "relu" or n_in + k not in live or y < n_in \
+                or steps[y - n_in][0] not in ("add", "add-const"):
             continue
         candidates += 1
         # XLA folds (v + 2) + 2 into v + 4: an add of a constant onto one.
@@ -94,8 +98,7 @@ def eligible_sites(steps, outputs, dtype):
         ok = (uses[y] == 1 and RELUS[kind][1] and jnp.issubdtype(dtype, jnp.floating)
               and not folded)
         eligible += ok
-        eligible_live += ok and n_in + k in live
-    return candidates, eligible, eligible_live
+    return candidates, eligible, eligible
 
 
 def product_meets_add(steps) -> bool:
