@@ -95,19 +95,6 @@ _DynamicJaxprTrace = _private("jax._src.interpreters.partial_eval", "DynamicJaxp
 _DynamicJaxprTracer = _private("jax._src.interpreters.partial_eval", "DynamicJaxprTracer")
 _try_constant_folding = _private("jax._src.interpreters.partial_eval", "try_constant_folding")
 _dce_jaxpr = _private("jax._src.interpreters.partial_eval", "dce_jaxpr")
-
-
-def without_dead_code(closed):
-    """`closed` without the equations no output depends on (effectful ones are
-    kept), every input kept: XLA removes dead code itself, so a site there is
-    no site (rewriting it changes nothing but the report)."""
-    jaxpr = closed.jaxpr
-    if isinstance(_dce_jaxpr, _Missing):
-        return closed
-    new, _ = _dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
-    if len(new.eqns) == len(jaxpr.eqns):
-        return closed
-    return closed.replace(jaxpr=new) if hasattr(closed, "replace") else type(closed)(new, closed.consts)
 _JaxprInputEffect = _private("jax._src.effects", "JaxprInputEffect")
 _current_source = _private("jax._src.source_info_util", "current")
 
@@ -183,6 +170,19 @@ def replace_eqns(jaxpr: Jaxpr, eqns: list[JaxprEqn]) -> Jaxpr:
 
 def replace_closed(closed: ClosedJaxpr, jaxpr: Jaxpr) -> ClosedJaxpr:
     return ClosedJaxpr(jaxpr, closed.consts)
+
+
+def without_dead_code(closed):
+    """`closed` without the equations no output depends on (effectful ones are
+    kept), every input kept: XLA removes dead code itself, so a site there is
+    no site (rewriting it changes nothing but the report)."""
+    jaxpr = closed.jaxpr
+    if isinstance(_dce_jaxpr, _Missing):
+        return closed
+    new, _ = _dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    if len(new.eqns) == len(jaxpr.eqns):
+        return closed
+    return replace_closed(closed, new)
 
 
 def eval_closed(closed: ClosedJaxpr, *args) -> list[Any]:
