@@ -268,17 +268,23 @@ PREFAULT_CASES = (((1 << 23) + 5, np.float32), ((1 << 24) - 3 * CHUNK // 2, jnp.
 
 
 def _large_calls(module, rng, threads, regions):
-    """(prefaulted, fresh) of each large call, each checked against XLA's bits."""
+    """(prefaulted, fresh) of each large call, each checked against XLA's bits.
+    Each case's operands and XLA's result are made once and serve every
+    configuration (only the outputs need to be new, and each call's is)."""
+    cases = []
+    for n, dtype in PREFAULT_CASES:
+        with x64(dtype):
+            a, b = random_operand(rng, (n,), dtype), random_operand(rng, (n,), dtype)
+            cases.append((n, dtype, a, b, np.asarray(reference(a, b))))
     seen = []
     for prefault, huge in PREFAULT_CONFIGS:
         module.configure(threads, huge, -1, prefault)
         module.force_regions_for_tests(regions)
-        for n, dtype in PREFAULT_CASES:
+        for n, dtype, a, b, expected in cases:
             with x64(dtype):
-                a, b = random_operand(rng, (n,), dtype), random_operand(rng, (n,), dtype)
                 out = jax.block_until_ready(jax.jit(jaxfuse.add_relu)(a, b))
                 st = module.last_store()  # once the call has run: dispatch is asynchronous
-                assert_bitwise_equal(out, reference(a, b))
+                assert_bitwise_equal(out, expected)
                 del out
             want = ("huge" if huge else "small") if prefault and st["fresh_pages"] else ""
             assert st["prefaulted"] == want, (prefault, huge, n, st)

@@ -189,7 +189,7 @@ def test_vmap_of_the_loss(llama, batch):
     close(jax.vmap(opt, in_axes=(None, 0))(llama.params, ids),
           jax.vmap(jax.jit(per_example), in_axes=(None, 0))(llama.params, ids))
     close(jax.vmap(jax.grad(opt), in_axes=(None, 0))(llama.params, ids),
-          jax.vmap(jax.grad(per_example), in_axes=(None, 0))(llama.params, ids))
+          jax.jit(jax.vmap(jax.grad(per_example), in_axes=(None, 0)))(llama.params, ids))
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
