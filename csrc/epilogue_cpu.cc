@@ -699,8 +699,8 @@ Scratch* ThreadScratch() {
 // faulted in for 60-110 us of CPU per MiB where a process got back the ones it
 // had just freed, and for 1000-2400 where it did not (freed on one CPU and
 // faulted on the other, a process's first ones), against 295-455 for 4 KiB
-// pages faulted in ahead, so whether they won depended on the process (issue
-// 46, benchmarks/results/notes/2026-12-04.md). Advisory only: contents are
+// pages faulted in ahead, so whether they won depended on the process
+// (benchmarks/results/notes/2026-12-04.md). Advisory only: contents are
 // untouched, and the advice does nothing where THP is "never".
 // ---------------------------------------------------------------------------
 constexpr size_t kHugePage = size_t{2} << 20;

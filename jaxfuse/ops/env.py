@@ -92,16 +92,15 @@ class Settings:
     process gets back the huge pages it has just freed they fault in for a
     fraction of 4 KiB pages' cost, where it does not (freed on one CPU and
     faulted on another, memory the host took back) for several times more, so
-    the same call won in one process and lost in the next (issue 46,
-    benchmarks/results/notes/2026-12-04.md). JAXFUSE_NO_MADVISE=1, the older
-    switch, keeps them off whatever this says."""
+    the same call won in one process and lost in the next
+    (benchmarks/results/notes/2026-12-04.md). JAXFUSE_NO_MADVISE=1 keeps them
+    off whatever this says."""
     cpu_prefault: bool
     """JAXFUSE_CPU_PREFAULT (default on): the CPU kernel faults in a large
     output (8 MiB or more) that is not yet faulted in itself, 2 MiB at a time
     ahead of its loop (madvise(MADV_POPULATE_WRITE): one system call, not a
     trap per 4 KiB page). Off: the loop's first touch faults each page in, as
-    XLA's own loops do (and, with huge pages on, the kernel before
-    2026-12-04)."""
+    XLA's own loops do."""
     cpu_max_threads: int
     """JAXFUSE_CPU_MAX_THREADS: cap on the CPU kernel's threads (0: none; at
     most MAX_THREADS)."""
