@@ -70,7 +70,7 @@ def compare(old: dict, new: dict) -> dict:
             "removed": [k for k in a if k not in b]}
 
 
-def _key_cells(k: tuple) -> list[str]:
+def key_cells(k: tuple) -> list[str]:
     wl, dt, shape, mode, tm = k
     return [wl, dt, "x".join(map(str, shape)), mode, tm]
 
@@ -102,7 +102,7 @@ def format_compare(old: dict, new: dict, old_path: str | None = None,
     temps = [_temp_cell(o, n) for _, o, n, _, _ in res["common"]]
     for (k, o, n, ratio, mark), temp in zip(res["common"], temps):
         word = {SLOWER: "+ slower", FASTER: "- faster"}.get(mark, "")
-        rows.append(_key_cells(k) + [f"{o['median_s'] * 1e6:.1f}", f"{n['median_s'] * 1e6:.1f}",
+        rows.append(key_cells(k) + [f"{o['median_s'] * 1e6:.1f}", f"{n['median_s'] * 1e6:.1f}",
                                      f"{ratio:.3f}", word] + ([temp] if any(temps) else []))
     if any(temps):
         head = head + ["temp/xla old -> new"]
@@ -120,7 +120,7 @@ def format_compare(old: dict, new: dict, old_path: str | None = None,
     for label, keys in (("added (only in NEW)", res["added"]), ("removed (only in OLD)", res["removed"])):
         if keys:
             out.append(f"{label}: {len(keys)}")
-            out += ["  " + " ".join(_key_cells(k)) for k in keys[:MAX_LISTED]]
+            out += ["  " + " ".join(key_cells(k)) for k in keys[:MAX_LISTED]]
             if len(keys) > MAX_LISTED:
                 out.append(f"  ... and {len(keys) - MAX_LISTED} more")
     marks = [m for *_, m in res["common"]]

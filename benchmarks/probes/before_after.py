@@ -7,13 +7,13 @@ a change ever moves it (XLA's own latency at 2^16 elements varies 60-140 us
 between processes here), so one run of each build cannot say. This runs
 ``--runs`` pairs of processes, old then new, each with the same ``jaxfuse-bench``
 arguments and seed i in pair i, and compares per case (workload, dtype, shape,
-mode, timing) the run-to-run range of the ratio ``t/xla`` (each run's median of
+mode, timing: `jaxfuse_bench.compare`'s case) the run-to-run range of the ratio ``t/xla`` (each run's median of
 paired per-round ratios) between the builds. Two builds that do not differ
 give a case whose ranges do not overlap with probability 2 / C(2n, n) (0.8%
 at five runs each); more such cases than that, or a geometric-mean change of
 the medians outside the noise, is a change. Also per case: sites fused,
-custom calls, whether the program is jit's own, and XLA's temp bytes, which
-must agree unless the change meant them to. (The peak column is not compared:
+custom calls, whether the program is jit's own, and the compiled program's temp
+bytes, which must agree unless the change meant them to. (The peak column is not compared:
 what it counts has changed between releases of the benchmark.)
 
 Usage:
@@ -28,7 +28,6 @@ Give both builds the cases explicitly (``--sizes``, ``--dtypes``, ``--workloads`
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics as st
@@ -36,6 +35,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from jaxfuse_bench import compare as bench_compare
 
 
 def run(old: str, new: str, runs: int, out: Path, bench_args: list[str]) -> None:
@@ -48,10 +49,6 @@ def run(old: str, new: str, runs: int, out: Path, bench_args: list[str]) -> None
                                 "--json", str(out / f"{name}-{i}.json")],
                                stdout=log, stderr=subprocess.STDOUT, check=True)
             print(f"{name} run {i}: {time.perf_counter() - t0:.1f} s", flush=True)
-
-
-def _case(r: dict) -> tuple:
-    return (r["workload"], r["dtype"], "x".join(map(str, r["shape"])), r["mode"], r["timing_mode"])
 
 
 def _decision(r: dict) -> tuple:
@@ -73,22 +70,23 @@ def compare(out: Path) -> int:
     if not names["old"] or len(names["old"]) != len(names["new"]):
         sys.exit(f"{out}: needs old-i.json and new-i.json for the same i, found "
                  f"{len(names['old'])} and {len(names['new'])}")
-    runs = {n: [json.loads(p.read_text()) for p in ps] for n, ps in names.items()}
+    runs = {n: [bench_compare.load(str(p)) for p in ps] for n, ps in names.items()}
     k = len(runs["old"])
     cases: dict[tuple, dict[str, list]] = {}
     for n, ds in runs.items():
         for d in ds:
-            for r in d["records"]:
+            for key, r in bench_compare.index(d).items():
                 if r.get("ratio_median") is not None:
-                    cases.setdefault(_case(r), {"old": [], "new": []})[n].append(r)
+                    cases.setdefault(key, {"old": [], "new": []})[n].append(r)
     width = 7 * k
     print(f"{'case':60s} {'old t/xla by run':>{width}s}   {'new t/xla by run':>{width}s}  new/old")
     logs, same, apart, changed = [], [], [], []
-    for c, by in cases.items():
+    for key, by in cases.items():
+        c = " ".join(bench_compare.key_cells(key))
         o = [r["ratio_median"] for r in by["old"]]
         n = [r["ratio_median"] for r in by["new"]]
         if len(o) != k or len(n) != k:
-            print(f"{' '.join(c):60s} in {len(o)} old and {len(n)} new runs: not compared")
+            print(f"{c:60s} in {len(o)} old and {len(n)} new runs: not compared")
             continue
         g = st.median(n) / st.median(o)
         logs.append(math.log(g))
@@ -102,7 +100,7 @@ def compare(out: Path) -> int:
             notes.append(f"decision {sorted(do)} -> {sorted(dn)}")
         else:
             same.append(math.log(g))
-        print(f"{' '.join(c):60s} {' '.join(f'{x:6.3f}' for x in o):>{width}s}   "
+        print(f"{c:60s} {' '.join(f'{x:6.3f}' for x in o):>{width}s}   "
               f"{' '.join(f'{x:6.3f}' for x in n):>{width}s}  {g:6.3f}  {'; '.join(notes)}")
     chance = 2 / math.comb(2 * k, k)
     print(f"\n{len(logs)} cases, {k} runs of each build. Geometric mean of new/old (medians), "
@@ -137,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
             if not os.access(exe, os.X_OK):
                 p.error(f"{exe}: not an executable jaxfuse-bench")
         run(a.old, a.new, a.runs, a.out, bench_args)
-        return compare(a.out)
     return compare(a.out)
 
 

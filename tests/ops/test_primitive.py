@@ -268,27 +268,25 @@ PREFAULT_CASES = (((1 << 23) + 5, np.float32), ((1 << 24) - 3 * CHUNK // 2, jnp.
 
 
 def _large_calls(module, rng, threads, regions):
-    """(prefaulted, fresh) of each large call, each checked against XLA's bits.
-    Each case's operands and XLA's result are made once and serve every
-    configuration (only the outputs need to be new, and each call's is)."""
-    cases = []
+    """(prefaulted, fresh) of each large call, case by case and within a case
+    configuration by configuration, each checked against XLA's bits. A case's
+    operands and XLA's result are made once for all its configurations (only
+    the outputs need to be new, and each call's is), and one case's at a time."""
+    seen = []
     for n, dtype in PREFAULT_CASES:
         with x64(dtype):
             a, b = random_operand(rng, (n,), dtype), random_operand(rng, (n,), dtype)
-            cases.append((n, dtype, a, b, np.asarray(reference(a, b))))
-    seen = []
-    for prefault, huge in PREFAULT_CONFIGS:
-        module.configure(threads, huge, -1, prefault)
-        module.force_regions_for_tests(regions)
-        for n, dtype, a, b, expected in cases:
-            with x64(dtype):
+            expected = np.asarray(reference(a, b))
+            for prefault, huge in PREFAULT_CONFIGS:
+                module.configure(threads, huge, -1, prefault)
+                module.force_regions_for_tests(regions)
                 out = jax.block_until_ready(jax.jit(jaxfuse.add_relu)(a, b))
                 st = module.last_store()  # once the call has run: dispatch is asynchronous
                 assert_bitwise_equal(out, expected)
                 del out
-            want = ("huge" if huge else "small") if prefault and st["fresh_pages"] else ""
-            assert st["prefaulted"] == want, (prefault, huge, n, st)
-            seen.append((st["prefaulted"], st["fresh_pages"]))
+                want = ("huge" if huge else "small") if prefault and st["fresh_pages"] else ""
+                assert st["prefaulted"] == want, (prefault, huge, n, st)
+                seen.append((st["prefaulted"], st["fresh_pages"]))
     return seen
 
 
@@ -339,7 +337,7 @@ def test_a_fresh_process_prefaults_its_large_outputs():
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = [tuple(x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
     pages = [("huge" if huge else "small") if prefault else ""
-             for prefault, huge in PREFAULT_CONFIGS for _ in PREFAULT_CASES]
+             for _ in PREFAULT_CASES for prefault, huge in PREFAULT_CONFIGS]
     assert [p for p, _ in seen] == pages
     # Found fresh wherever it was probed for prefaulting (without prefaulting
     # only auto's stream rule probes, for 4- and 8-byte types).

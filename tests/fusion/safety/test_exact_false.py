@@ -12,8 +12,6 @@ it must not be larger than jit's by more than that (`_AS_ACCURATE`).
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
@@ -63,7 +61,6 @@ def _assert_as_accurate(fun, *args):
 
 # ------------------------------------------------------------ stax ResNet-50
 
-@functools.cache  # its eager init takes seconds; the tests only read what it returns
 def _stax_resnet50():
     """jax's stax ResNet-50 at 4 x 64 x 64: its last stage still batch-normalizes
     over 16 values per channel, so float32 stays close to float64 (at 2 x 32 x
