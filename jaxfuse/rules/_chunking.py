@@ -467,23 +467,38 @@ def analyse(graph, head) -> Plan:
         if e.effects:
             raise Decline(EFFECTS(e.primitive.name))
 
+    # A custom_jvp/vjp call the walker sees through is rewritten whole or not
+    # at all (inline.py): the rest of the body of one the core reads in (the
+    # per-token `log(sum) + max` of jax's log-sum-exp, a custom_jvp from jax
+    # 0.11) goes with the region.
+    tail: dict = {}
+    for e in core.values():
+        for g in graph.calls_around(e):
+            if g.custom:
+                tail.update((id(x), x) for x in g.eqns
+                            if id(x) not in core and id(x) in live)
     # Glue: non-core equations on a path from a core result to a core operand.
     core_outs = {id(v) for e in core.values() for v in e.outvars}
     ancestors: dict = {}
-    stack = [a for e in core.values() for a in e.invars if C.is_var(a)]
+    stack = [a for e in [*core.values(), *tail.values()] for a in e.invars if C.is_var(a)]
     while stack:
         v = stack.pop()
         p = graph.producer(v)
-        if p is None or id(p) in core or id(p) in ancestors or position[id(p)] < head_pos:
+        if p is None or id(p) in core or id(p) in tail or id(p) in ancestors \
+                or position[id(p)] < head_pos:
             continue  # before the head: an operand, left where it is
         ancestors[id(p)] = p
         stack.extend(a for a in p.invars if C.is_var(a))
     glue: dict = {}
     reach = set(core_outs)
     for e in graph.eqns:
-        if id(e) in ancestors and any(C.is_var(a) and id(a) in reach for a in e.invars):
+        if (id(e) in ancestors or id(e) in tail) \
+                and any(C.is_var(a) and id(a) in reach for a in e.invars):
             glue[id(e)] = e
             reach.update(id(v) for v in e.outvars)
+    for e in tail.values():
+        if id(e) not in glue:
+            ancestors[id(e)] = e  # not computed from the logits: as any other operand
     # Pre: the other ancestors that are not computed from Z. Those producing
     # vocabulary-wide values are evaluated per chunk (a one-hot); the rest
     # after the head are moved with the region (the loss's cotangent), the

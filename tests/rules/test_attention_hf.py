@@ -178,14 +178,23 @@ def test_auto_applies_where_jax_nn_is_measured_to_win_and_says_why_elsewhere():
     q = jax.ShapeDtypeStruct((1, attention.CPU_MAX_KEYS + 8, 2, 16), jnp.float32)
     found = sites(_plain_attention, q, q, q, policy="auto", platform="cpu")
     assert len(found) == 1 and found[0].declined_for_cost and "keys on CPU" in str(found[0].reason)
-    # at the measured limit the time test passes; the memory promise still holds: one head
-    # fits jit's peak, two hold more than its slack (jax.nn keeps about twice the float32
-    # logits) and are declined by the memory check, not by the cost hook
-    q = jax.ShapeDtypeStruct((1, attention.CPU_MAX_KEYS, 1, 16), jnp.float32)
-    assert sites(_plain_attention, q, q, q, policy="auto", platform="cpu")[0].fused
-    q = jax.ShapeDtypeStruct((1, attention.CPU_MAX_KEYS, 2, 16), jnp.float32)
-    (site,) = sites(_plain_attention, q, q, q, policy="auto", platform="cpu")
-    assert not site.fused and site.why.code == "holds-more", site
+    # at the measured limit the time test passes; the memory promise still holds: a site is
+    # applied exactly where the rewritten program peaks within jit's peak plus the slack,
+    # else declined by the memory check, not by the cost hook. (jax 0.10-0.12.0: one head
+    # fits, two hold more, jax.nn keeping about twice the float32 logits; from 0.12.1 jit's
+    # own program of the custom_jvp softmax peaks as high, and both fit.)
+    from jaxfuse.fusion.tuning import hlo_memory
+
+    for heads in (1, 2):
+        q = jnp.ones((1, attention.CPU_MAX_KEYS, heads, 16), jnp.float32)
+        peaks = jaxfuse.explain(_plain_attention, q, q, q, patterns=_rules(), policy="always",
+                                platform="cpu", memory=True).memory
+        fits = hlo_memory.within(peaks["optimized"]["peak"], peaks["jit"]["peak"])
+        (site,) = sites(_plain_attention, q, q, q, policy="auto", platform="cpu")
+        assert site.fused == fits, (heads, peaks, site)
+        assert fits or site.why.code == "holds-more", site
+        if heads == 1:
+            assert fits
 
 
 def _plain_attention(q, k, v, mask=None, bias=None):

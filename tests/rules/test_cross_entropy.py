@@ -367,15 +367,16 @@ def test_near_misses_are_declined_with_their_reasons(rng):
         loss = optax.softmax_cross_entropy_with_integer_labels(lg[:, :-1], ids[:, 1:]).mean()
         return loss + jnp.sort(lg, axis=1)[0, 0, 0]
 
-    def loss_under_its_own_jit(x, w, ids):
-        return jax.jit(lambda x, w: optax.softmax_cross_entropy_with_integer_labels(
-            (x @ w)[:, :-1], ids[:, 1:]).mean())(x, w)
+    def probabilities_returned(x, w, ids):
+        lg = (x @ w)[:, :-1]
+        loss = optax.softmax_cross_entropy_with_integer_labels(lg, ids[:, 1:]).mean()
+        return loss, jax.nn.softmax(lg)
 
     cases = [(returned, "xent-logits-returned", "the logits are returned"),
              (float_labels, "xent-dense-operand", "labels are floats"),
              (no_label, "xent-no-label", "no label is taken at integer indices"),
              (sorted_reader, "xent-logits-read", "`sort` reads"),
-             (jax.grad(loss_under_its_own_jit, argnums=(0, 1)), "xent-wide-returned",
+             (probabilities_returned, "xent-wide-returned",
               "as wide as the logits is an output")]
     for fun, code, words in cases:
         found = _reasons(fun, x, w, ids, rules=rules)
@@ -384,6 +385,31 @@ def test_near_misses_are_declined_with_their_reasons(rng):
         # declined: the program is jit's
         close(jaxfuse.optimize(fun, patterns=rules, policy="always")(x, w, ids),
               jax.jit(fun)(x, w, ids))
+
+
+def test_a_loss_under_its_own_jit_under_grad(rng):
+    """`jax.grad` of a function calling a jitted loss: the forward call passes
+    a [tokens, V] value to the gradient's call. Where both calls are small
+    enough to inline (jax 0.11 on: the log-sum-exp is a custom_jvp call, so
+    the forward call has few equations of its own), the walker sees through
+    them and the region spans them: one site, jit's values. Where the forward
+    call is larger (jax 0.10 spells the log-sum-exp out), the region ends at
+    the call, and the value it returns declines the site."""
+    from jaxfuse.fusion.ir.inline import INLINE_MAX_EQNS
+
+    x, w, ids = _head(rng)
+
+    def loss_under_its_own_jit(x, w, ids):
+        return jax.jit(lambda x, w: optax.softmax_cross_entropy_with_integer_labels(
+            (x @ w)[:, :-1], ids[:, 1:]).mean())(x, w)
+
+    step = jax.grad(loss_under_its_own_jit, argnums=(0, 1))
+    forward = jax.make_jaxpr(step)(x, w, ids).jaxpr.eqns[0].params["jaxpr"].jaxpr
+    if len(forward.eqns) <= INLINE_MAX_EQNS:
+        check(step, x, w, ids, rules=_plain_rules())
+    else:
+        found = _reasons(step, x, w, ids, rules=_plain_rules())
+        assert [(f, c) for f, c, _ in found] == [(False, "xent-wide-returned")], found
 
 
 def test_zero_tokens_and_other_heads_are_left_alone(rng):
@@ -420,8 +446,8 @@ def _plan(loss, *args):
     from jaxfuse.rules import _chunking as K
 
     closed = jax.make_jaxpr(loss)(*args)
-    view, _, inlined = inline_small_calls(list(closed.jaxpr.eqns))
-    jaxpr = C.replace_eqns(closed.jaxpr, view)
+    inlined = inline_small_calls(list(closed.jaxpr.eqns))
+    jaxpr = C.replace_eqns(closed.jaxpr, inlined.eqns)
     head = next(e for e in jaxpr.eqns if e.primitive.name == "dot_general")
     return head, K.analyse(Graph(jaxpr, closed.consts, inlined=inlined), head)
 

@@ -318,6 +318,9 @@ def _evaluate(atom, graph, depth):
 #   x ** 2, square(x), pow(x, 2.0)       -> x * x
 #   a / sqrt(b), pow(b, -0.5), 1/sqrt(b) -> a * rsqrt(b), rsqrt(b)
 #   a cast to its own dtype, or widened and narrowed back -> a itself
+#   stop_gradient(x)                     -> x (the same value: jax.nn.softmax
+#                                           has one where `jax_softmax_custom_jvp`
+#                                           is off, none in its custom_jvp body)
 #   transpose(transpose(x))              -> one transpose (none if it is the identity)
 #   the same equation twice (`x.astype(f32)` in two places) -> one
 #   f(transpose(x, p), ...) elementwise  -> transpose(f(x, ...), p)
@@ -336,7 +339,7 @@ SPELLED_AS = {
 }
 _CSE = xla.FUSIBLE | xla.REDUCTIONS
 RESPELLED = frozenset({"mul", "div", "integer_pow", "square", "pow", "rsqrt", "sqrt",
-                       "transpose", "convert_element_type"})
+                       "transpose", "convert_element_type", "stop_gradient"})
 """Primitives a spelling may have or lack: not evidence a match needs."""
 
 
@@ -366,6 +369,7 @@ class CanonicalView:
         self._fresh: set = set()
         self._env: dict = {}
         self._seen: dict = {}
+        self._dropped: dict = {}  # id(result) -> the program equation read through
         for e in jaxpr.eqns:
             invars = [self._env.get(id(a), a) if C.is_var(a) else a for a in e.invars]
             self._add(e, invars)
@@ -375,6 +379,27 @@ class CanonicalView:
     # ---- queries
     def origin(self, eqn) -> tuple:
         return self._origin.get(id(eqn), (eqn,))
+
+    def read_through(self, eqns) -> tuple:
+        """The program equations the view reads through (a cast, a
+        stop_gradient) between equations of `eqns` (program equations): a
+        match taking both sides takes these too."""
+        taken = {id(e) for e in eqns}
+        produced = {id(v) for e in eqns for v in e.outvars}
+        found, grew = [], True
+        while grew:
+            grew = False
+            for e in list(eqns) + found:
+                for a in e.invars:
+                    d = self._dropped.get(id(a)) if C.is_var(a) else None
+                    if d is None or id(d) in taken or not C.is_var(d.invars[0]) \
+                            or id(d.invars[0]) not in produced:
+                        continue
+                    taken.add(id(d))
+                    produced.update(id(v) for v in d.outvars)
+                    found.append(d)
+                    grew = True
+        return tuple(found)
 
     def is_fresh(self, atom) -> bool:
         return C.is_var(atom) and id(atom) in self._fresh
@@ -438,6 +463,7 @@ class CanonicalView:
 
     def _alias(self, e, atom):
         self._env[id(e.outvars[0])] = atom
+        self._dropped[id(e.outvars[0])] = e
 
     def _const(self, atom):
         if self.is_fresh(atom):
@@ -456,6 +482,8 @@ class CanonicalView:
         if e.effects or len(e.outvars) != 1:
             return self._keep(e, invars)
         out = e.outvars[0]
+        if name == "stop_gradient":
+            return self._alias(e, invars[0])
         if name == "convert_element_type":
             x = invars[0]
             if getattr(x, "aval", None) is not None and x.aval.dtype == out.aval.dtype \

@@ -44,13 +44,13 @@ class Graph:
     """
 
     def __init__(self, jaxpr: C.Jaxpr, consts=None, outer: Mapping | None = None,
-                 inlined: Mapping | None = None, feeds: tuple | None = None):
+                 inlined=None, feeds: tuple | None = None):
         self.jaxpr = jaxpr
         self.feeds = feeds
         """Per invar, the product the enclosing program computes for it where
         XLA inlines this jaxpr into it (`contraction.feeds`); None: nothing
         known, the inputs are arguments or arrive through a loop or branch."""
-        self._inlined = dict(inlined or {})
+        self._inlined = inlined  # inline.Inlining: the calls this view sees through
         self._consts = dict(zip(jaxpr.constvars, consts)) if consts is not None else {}
         self._outer = dict(outer or {})
         self._producer: dict[Any, C.JaxprEqn] = {}
@@ -104,14 +104,24 @@ class Graph:
         return self._position[id(eqn)]
 
     def inlined_from(self, eqn) -> str | None:
-        """The name of the small `jit` this equation was inlined from, if any."""
-        found = self._inlined.get(id(eqn))
-        return found[1] if found else None
+        """The name of the innermost small `jit` this equation was inlined
+        from, if any."""
+        jits = [g for g in self.calls_around(eqn) if not g.custom]
+        return jits[-1].name if jits else None
 
     def inline_group(self, eqn) -> int | None:
-        """Which inlined call this equation came from (None: it was here)."""
-        found = self._inlined.get(id(eqn))
-        return found[0] if found else None
+        """Which inlined call this equation came from, the outermost (None:
+        it was here)."""
+        return self._inlined.outermost(eqn) if self._inlined is not None else None
+
+    def calls_around(self, eqn) -> tuple:
+        """The inlined calls (`inline.Group`) holding this equation,
+        outermost first."""
+        return self._inlined.chain(eqn) if self._inlined is not None else ()
+
+    def partial_custom(self, eqns):
+        """A custom_jvp/vjp call `eqns` take part of but not all (`inline.Group`), or None."""
+        return self._inlined.partial_custom(eqns) if self._inlined is not None else None
 
     def users(self, atom) -> list[C.JaxprEqn]:
         """The equations reading `atom`, each once, in program order."""

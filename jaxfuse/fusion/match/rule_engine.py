@@ -123,10 +123,11 @@ def _describe(avals) -> str:
 
 
 def _trace(fun, avals) -> _Template:
-    closed = jax.make_jaxpr(fun)(*avals)
+    # dead code dropped, as the walker drops the program's (jax's logsumexp
+    # computes a `sign` it does not use where it is no custom_jvp)
+    closed = C.without_dead_code(jax.make_jaxpr(fun)(*avals))
     jaxpr = closed.jaxpr
-    view, _, _ = inline_small_calls(list(jaxpr.eqns))
-    inlined = C.replace_eqns(jaxpr, view)
+    inlined = C.replace_eqns(jaxpr, inline_small_calls(list(jaxpr.eqns), jaxpr.outvars).eqns)
     canonical = CanonicalView(inlined, Graph(inlined, closed.consts).const_value)
     return _Template(canonical.jaxpr, dict(zip(jaxpr.constvars, closed.consts)))
 
@@ -602,6 +603,7 @@ class _Rule:
         if m is None:
             return None
         eqns = tuple({id(p): p for e in m.eqns for p in view.origin(e)}.values())
+        eqns += view.read_through(eqns)
         if "reason" not in m.info and any(view.is_fresh(a) for a in (*m.operands, *m.outputs)):
             return self._near_miss(root, _State({}, {}), m.operands,
                                    "the match reads or defines a value the program computes only "

@@ -7,8 +7,11 @@ equations is rewritten once per distinct calling context (memoized by
 identity), while every call site is still reported on its own.
 
 Small `jit` calls without pinned shardings, layouts or donation (jnp.clip's
-`jit[clip]`, a user's jitted ReLU) are inlined for matching, so a pattern can
-reach through them; a call is put back unchanged when no match used it.
+`jit[clip]`, a user's jitted ReLU) and the primal bodies of custom_jvp and
+custom_vjp calls (`jax.nn.softmax` from jax 0.12.1) are inlined for matching
+(`ir/inline.py`), so a pattern can reach through them; a call is put back
+unchanged when no match used it, and a custom call's body is taken whole or
+not at all (`PARTIAL_CUSTOM`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ SECOND_READER = ReasonKind(
 OPAQUE = ReasonKind(
     "opaque-primitive",
     "inside unknown higher-order primitive `{culprit}`, which the pass does not descend into")
+PARTIAL_CUSTOM = ReasonKind(
+    "partial-custom-call",
+    "the fused region takes part of `{culprit}`, a {kind} function with its own derivative "
+    "rule: a rewrite takes all of its body or none of it")
 OPERAND_AFTER = ReasonKind(
     "operand-after",
     "an operand is computed after the `{culprit}` whose result the replacement must define")
@@ -142,7 +149,8 @@ class _Walk:
             new = self.descend(eqn, graph, opaque, context, sites, skipped)
             changed |= new is not eqn
             eqns.append(new)
-        view_eqns, groups, inlined = inline_small_calls(eqns)
+        inlined = inline_small_calls(eqns, jaxpr.outvars)
+        view_eqns = inlined.eqns
         present = {e.primitive.name for e in view_eqns}
         by_root, any_root = self._patterns_needing(present)
         roots = [e for e in view_eqns if any_root or e.primitive.name in by_root]
@@ -154,7 +162,7 @@ class _Walk:
                 graph, roots, lambda e: [*by_root.get(e.primitive.name, ()), *any_root],
                 opaque, context, sites, carried)
             if replaced is not None:
-                return C.replace_eqns(jaxpr, restore_unused_calls(replaced, groups)), sites, skipped
+                return C.replace_eqns(jaxpr, restore_unused_calls(replaced, inlined)), sites, skipped
         return (C.replace_eqns(jaxpr, eqns) if changed else jaxpr), sites, skipped
 
     # --------------------------------------------------------------- matching
@@ -283,6 +291,9 @@ def _structural_reason(m: Match, graph: Graph, absorbed: set) -> Reason | None:
     outputs = {id(v) for v in m.outputs}
     inside_eqns = {id(e) for e in m.eqns}
     shared = {id(e) for e in m.shared}
+    split = graph.partial_custom([e for e in m.eqns if id(e) not in shared])
+    if split is not None:
+        return PARTIAL_CUSTOM(split.name, kind=split.kind)
     for a in m.operands:
         prod = graph.producer(a)
         if prod is not None and id(prod) in inside_eqns and id(prod) not in shared:

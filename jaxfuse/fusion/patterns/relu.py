@@ -95,6 +95,11 @@ def _max_relu(eqn, graph):
             text = "jnp.clip(y, 0)"
         elif wrapper is not None:
             text = f"jit[{wrapper}]({text})"
+        custom = [g for g in graph.calls_around(eqn) if g.custom]
+        if custom:
+            # the body of a custom_jvp the walker sees through: its rule, not max's
+            return _custom_spelling(Spelling(y, MAXIMUM_GRAD_AT_ZERO, text, decline, extra),
+                                    custom[-1].call)
         return Spelling(y, MAXIMUM_GRAD_AT_ZERO, text, decline, extra)
     return None
 
@@ -127,6 +132,16 @@ def _custom_jvp_relu(eqn, graph):
     inner = _body_relu(eqn, eqn.params["call_jaxpr"], graph)
     if inner is None:
         return None
+    return _custom_spelling(inner, eqn)
+
+
+def _custom_spelling(inner: Spelling, eqn) -> Spelling:
+    """A ReLU computed by the body of `eqn`, a custom_jvp call: jax.nn.relu's
+    rule gives 0 at 0; any other function's rule is its own (declined)."""
+    if eqn.primitive.name != "custom_jvp_call":
+        fname = eqn.params.get("name") or "?"
+        return dataclasses.replace(inner, text=f"custom_vjp {fname}",
+                                   decline=inner.decline or OWN_DERIVATIVE(fname))
     origin = C.debug_origin(eqn.params["call_jaxpr"].jaxpr)
     if origin is not None and _JAX_RELU is not None and origin == _JAX_RELU:
         return dataclasses.replace(inner, grad_at_zero=RELU_GRAD_AT_ZERO, text="jax.nn.relu")

@@ -29,6 +29,10 @@ from rewrite_support import conv_net
 optax = pytest.importorskip("optax", reason="needs the `models` extra (optax)")
 
 
+def _release() -> tuple:
+    return tuple(int(p) for p in jax.__version__.split(".")[:3])
+
+
 def temp_bytes(fun, *args) -> int:
     return fun.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
@@ -149,8 +153,15 @@ def test_no_policy_holds_more_than_jit(name, dtype):
         # narrow type, which can hold one operand more per site (jax 0.11.2: the
         # equinox MLP, +11.5 KiB). auto declines such sites (cost.py,
         # narrow_matmuls_in_f32); always may hold at most that.
+        # jax 0.12.1: XLA:CPU runs the backward's contractions next to a
+        # fused site in float32 rather than bfloat16 (the same bfloat16
+        # jaxpr; jit's own program keeps them narrow): the equinox MLP holds
+        # three float32 rows of each site's output more (+577 KiB). auto
+        # declines these sites for cost there.
+        wide = 3 * 4 if _release() >= (0, 12, 1) else 0
         report = jaxfuse.explain(step, *args, policy="always")
-        allowed += sum(int(np.prod(s.out_shape)) * jnp.dtype(dtype).itemsize for s in report.fused)
+        allowed += sum(int(np.prod(s.out_shape)) * (jnp.dtype(dtype).itemsize + wide)
+                       for s in report.fused)
     assert always <= allowed, f"{name} always: {always} temp bytes against jit's {jit}"
 
 
