@@ -494,6 +494,23 @@ def concrete_mesh_for(abstract):
                          axis_types=abstract.axis_types, devices=devices[:abstract.size])
 
 
+def shard_map(fun, mesh, in_specs, out_specs):
+    """`fun` mapped over `mesh`'s devices, each running it on its shards;
+    replication is not checked (the collectives `fun` runs make its results
+    what `out_specs` says)."""
+    return jax.shard_map(fun, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
+def reshard(x, mesh, spec):
+    """`x` with its type's sharding `spec` over `mesh` (explicit sharding);
+    `x` itself where it already has it."""
+    current = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    if current is not None and tuple(current) == tuple(spec):
+        return x
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
+
+
 def mesh_context(mesh):
     """A context entering `mesh` (explicit sharding needs one to lower); a
     no-op for None. Only outside a trace (`jax.set_mesh`'s rule)."""

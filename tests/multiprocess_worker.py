@@ -83,6 +83,7 @@ def checks(cache_dir: str) -> dict:
                                           "collective-permute") if op in hlo],
             "measure_equal": _same_shards(measured, want),
         }
+    out["cross_entropy"] = cross_entropy(mesh)
     # Below: each decision was timed (not a fallback), and every process made the same one.
     out["train_step"] = train_step(mesh, tuner)
     choices = [entry[1] for entry in tuner.log]  # the step's decision too
@@ -91,6 +92,46 @@ def checks(cache_dir: str) -> dict:
     out["measure"] = {"timed": len(choices), "skipped": list(tuner.skipped),
                       "agree": bool(np.all(every == every[0]))}
     return out
+
+
+def cross_entropy(mesh) -> dict:
+    """The cross-entropy rule on a data-parallel train step, the tokens split
+    over the processes, under the default policy: the region runs on each
+    device's shards; its values, and the bytes its collectives move against
+    jit's, as each process sees them."""
+    import numpy as np
+
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxfuse
+    from jaxfuse.fusion.ir.subjaxprs import all_eqns
+    from jaxfuse.fusion.tuning.hlo_collectives import collective_bytes
+    from jaxfuse.rules import cross_entropy as X
+
+    rng = np.random.default_rng(2)
+    x = _global(mesh, P("data"), rng.standard_normal((16, 8, 32)).astype(np.float32))
+    w = _global(mesh, P(), (rng.standard_normal((32, 1024)) * 0.1).astype(np.float32))
+    labels = _global(mesh, P("data"), rng.integers(0, 1024, (16, 8)).astype(np.int32))
+
+    def loss(x, w, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean()
+
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    fused = jaxfuse.optimize(step, patterns=X.rules(budget=128 << 10))  # 4 chunks a device
+    sites = sum(e.params.get("name") == X.NAME for e in all_eqns(fused.trace(x, w, labels).jaxpr))
+    want, got = jax.jit(step)(x, w, labels), fused(x, w, labels)
+    err = 0.0
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        for a, b in zip(g.addressable_shards, r.addressable_shards):
+            a, b = np.asarray(a.data, np.float64), np.asarray(b.data, np.float64)
+            err = max(err, float(np.max(np.abs(a - b), initial=0) / max(np.max(np.abs(b)), 1e-30)))
+    moved = collective_bytes(fused.lower(x, w, labels).compile().as_text()).bytes
+    jit_moved = collective_bytes(jax.jit(step).lower(x, w, labels).compile().as_text()).bytes
+    return {"sites": sites, "error": err, "moved": moved, "jit_moved": jit_moved,
+            "specs_equal": [str(g.sharding.spec) for g in jax.tree.leaves(got)]
+            == [str(r.sharding.spec) for r in jax.tree.leaves(want)]}
 
 
 def train_step(mesh, tuner) -> dict:

@@ -12,6 +12,7 @@ own rules, since what jit sees is an ordinary jaxpr.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import weakref
@@ -115,13 +116,78 @@ def optimize(fun: Callable | None = None, *, policy: str = "auto", patterns=None
             == (pats, policy, autotuner, exact) and not jit_kwargs):
         return fun  # already optimized with these options: nothing more to do
     traced = _traced_for(fun, pats, policy, autotuner, exact)
-    jitted = jax.jit(traced, **jit_kwargs)
-    try:
-        setattr(jitted, _INFO, _Optimized(jitted, fun, pats, _static_spec(jit_kwargs), policy,
-                                          autotuner, exact))
-    except AttributeError:  # pragma: no cover - a jit wrapper that refuses attributes
-        pass
-    return jitted
+    wrapper = Optimized(jax.jit(traced, **jit_kwargs))
+    setattr(wrapper, _INFO, _Optimized(wrapper, fun, pats, _static_spec(jit_kwargs), policy,
+                                       autotuner, exact))
+    return wrapper
+
+
+# The arguments of the call being traced (`Optimized` sets them): where a
+# program is partitioned over a mesh, its arguments' shardings are what the
+# memory and communication checks compile it with (jit's trace sees only
+# abstract values).
+_CALL = contextvars.ContextVar("jaxfuse_call", default=None)
+
+
+class Optimized:
+    """What `optimize` returns: `jax.jit` of the rewritten function, called
+    as jit is (jit's cache and dispatch), with the arguments of the call
+    that traces it handed to the rewrite (their shardings); `lower`, `trace`
+    and `eval_shape` likewise; every other attribute is the jit's."""
+
+    def __init__(self, jitted):
+        self._jitted = jitted
+        functools.update_wrapper(self, jitted, updated=())
+
+    def __call__(self, *args, **kwargs):
+        token = _CALL.set((args, kwargs))
+        try:
+            return self._jitted(*args, **kwargs)
+        finally:
+            _CALL.reset(token)
+
+    def _with_args(self, method, args, kwargs):
+        token = _CALL.set((args, kwargs))
+        try:
+            return getattr(self._jitted, method)(*args, **kwargs)
+        finally:
+            _CALL.reset(token)
+
+    def lower(self, *args, **kwargs):
+        return self._with_args("lower", args, kwargs)
+
+    def trace(self, *args, **kwargs):
+        return self._with_args("trace", args, kwargs)
+
+    def eval_shape(self, *args, **kwargs):
+        return self._with_args("eval_shape", args, kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_jitted"], name)
+
+    def __get__(self, obj, objtype=None):
+        # as a method of a class, like jax.jit's wrapper
+        return self if obj is None else functools.partial(self, obj)
+
+    def __repr__(self):
+        return repr(self._jitted)  # as jit's: it names the user's function
+
+
+def _call_shardings(args, kwargs, nums, static_kw) -> list | None:
+    """The shardings of the dynamic leaves of the call being traced, in the
+    jaxpr's input order (None where one is not a concrete array), or None
+    where no such call is known."""
+    call = _CALL.get()
+    if call is None:
+        return None
+    c_args, c_kwargs = call
+    if len(c_args) != len(args) or set(c_kwargs) != set(kwargs):
+        return None
+    leaves = jax.tree_util.tree_leaves(
+        (tuple(a for i, a in enumerate(c_args) if i not in nums),
+         {k: v for k, v in c_kwargs.items() if k not in static_kw}))
+    return [x.sharding if isinstance(x, jax.Array) and not C.is_tracer_leaf(x) else None
+            for x in leaves]
 
 
 # ------------------------------------------------------------- the traced fn
@@ -179,16 +245,19 @@ class _Traced:
         # arguments, flattened as jit flattens them (keywords sorted by name).
         dynamic = jax.tree_util.tree_leaves(
             (tuple(a for i, a in enumerate(args) if i not in nums), dyn_kw))
-        new = self.rewritten(closed)
+        shardings = _call_shardings(args, kwargs, nums, static_kw)
+        if shardings is not None and len(shardings) != len(dynamic):
+            shardings = None
+        new = self.rewritten(closed, shardings)
         out = C.inline_closed(new, *dynamic)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
 
-    def rewritten(self, closed):
+    def rewritten(self, closed, shardings=None):
         platform = trace_platform()
         if self.policy == "measure":
             return measured_choice(closed, self.patterns, self.autotuner, platform, self.exact)
         return rewrite_for(closed, self.patterns, self.policy, platform, tuner=self.autotuner,
-                           time_it=True, exact=self.exact)[0]
+                           time_it=True, exact=self.exact, shardings=shardings)[0]
 
 
 def _all_tracers(arg) -> bool:
@@ -196,14 +265,15 @@ def _all_tracers(arg) -> bool:
 
 
 def rewrite_for(closed, patterns, policy: str, platform: str | None, origin=None, *,
-                tuner=None, time_it=False, exact=True):
+                tuner=None, time_it=False, exact=True, shardings=None):
     """The rewrite of `closed` under `policy` for `platform` (policy/decide.py;
-    the conv-band sites XLA fuses with their neighbours timed when `time_it`):
+    the conv-band sites XLA fuses with their neighbours timed when `time_it`;
+    `shardings`: the inputs' shardings where known, one per input or None):
     (jaxpr, report)."""
     here = platform == trace_platform()
     with targeting(platform or trace_platform()):
         plan, walked = decide(closed, patterns, policy, platform, here=here, exact=exact,
-                              origin=origin, tuner=tuner, time_it=time_it)
+                              origin=origin, tuner=tuner, time_it=time_it, shardings=shardings)
     report = Report(walked.sites, walked.skipped, walked.jaxpr, policy=policy, platform=platform,
                     measured="; ".join(plan.measured) or None, exact=exact)
     return walked.jaxpr, report
@@ -309,6 +379,7 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
     if policy == "measure":
         policy = "auto"  # explain reports what the cost model says; tuning may still override
     platform = _check_platform(platform) if platform is not None else _platform_of(args, kwargs)
+    shardings = None
     if info is None and _is_jitted(fun):
         # jit resolves its own static arguments; its body is the function's jaxpr.
         closed = fun.trace(*args, **kwargs).jaxpr
@@ -316,12 +387,15 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
         args, kwargs = _mark_static(fun, args, kwargs, static)
         flat_fun, dynamic = _split_dynamic(fun, args, kwargs, _is_dynamic_leaf)
         closed = jax.make_jaxpr(flat_fun)(*dynamic)
-    _, report = rewrite_for(closed, pats, policy, platform, C.definition_site(fun), exact=exact)
+        shardings = [getattr(x, "sharding", None) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+                     and not C.is_tracer_leaf(x) else None for x in dynamic]
+    _, report = rewrite_for(closed, pats, policy, platform, C.definition_site(fun), exact=exact,
+                            shardings=shardings)
     report.platform = platform
     report.traced = closed  # for report.graph("before")
     if memory:
-        report.memory = {"jit": _memory.compiled_memory(closed),
-                         "optimized": _memory.compiled_memory(report.jaxpr)}
+        report.memory = {"jit": _memory.compiled_memory(closed, shardings),
+                         "optimized": _memory.compiled_memory(report.jaxpr, shardings)}
         if memory == "calls":
             report.memory["calls"] = _memory.per_call(report.jaxpr)
     return report

@@ -97,6 +97,9 @@ EFFECTS = ReasonKind("xent-effects", "`{culprit}` has effects", blame="producer"
 
 MAX_STAGES = 3
 
+# Primitives that change only how a value is laid out over devices: values
+# as they are on one device's shards.
+LAYOUT_ONLY = frozenset({"reshard", "sharding_constraint", "mesh_cast"})
 # Primitives that compute each element from the elements at the same index
 # (operands of equal rank, size-1 dimensions broadcast).
 ELEMENTWISE = frozenset({
@@ -108,6 +111,7 @@ ELEMENTWISE = frozenset({
     "erf_inv", "lgamma", "digamma", "atan2", "reduce_precision", "shift_left",
     "shift_right_logical", "shift_right_arithmetic", "population_count", "imag", "real",
     "conj", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "pvary",
+    *LAYOUT_ONLY,
 })
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                         "reduce_or", "reduce_xor", "argmax", "argmin"})
@@ -349,6 +353,7 @@ class Plan:
     outputs: list             # vars the replacement defines for the rest of the program
     token_elems: int          # tokens per position of the chunk axis (other token axes)
     notes: dict = dataclasses.field(default_factory=dict)
+    layout: Any = None        # one device's share under a mesh (`Layout`); None: the whole
 
     # ---- per value
     def cdims(self, var) -> list:
@@ -364,10 +369,27 @@ class Plan:
         ds = self.cdims(var)
         if not ds:
             return None
-        n = _shape(var)[ds[0]]
+        n = self.local_shape(var)[ds[0]]
         if n == self.size:
             return "sliced"
         return "full"
+
+    def classes(self, var) -> list:
+        """Each dimension's axis class (None for a dimension of size 1)."""
+        return [None if n == 1 else self.axes.cls(var, d) for d, n in enumerate(_shape(var))]
+
+    def token_classes(self) -> frozenset:
+        """The classes of the logits' token dimensions."""
+        z = _shape(self.logits)
+        return frozenset(self.axes.cls(self.logits, d) for d in range(len(z) - 1) if z[d] != 1)
+
+    def local_shape(self, var) -> tuple:
+        """`var`'s shape on one device under `layout` (its shape without one)."""
+        shape = _shape(var)
+        if self.layout is None:
+            return shape
+        return tuple(n if c is None else n // self.layout.shards.get(c, 1)
+                     for n, c in zip(shape, self.classes(var)))
 
 
 def _live(graph) -> set:
@@ -739,6 +761,8 @@ def _plan_along(graph, head, Z, axes, vocab_cls, dims_of, core, glue, pre, dead,
                 and not _transposed_back(graph, readers[0])):
             t = readers[0]
             dims_of[id(t)] = eqn_dims(t)
+            for (a, i), (b, j) in dims_of[id(t)].links:
+                axes.union((id(b), j), (id(a), i))  # its result joins the classes, roots kept
             in_loop.append(t)
             accumulate[k] = t
     in_loop.sort(key=lambda e: position[id(e)])
@@ -842,16 +866,24 @@ def _only_contracts(e, info, axes, ccls) -> bool:
 
 
 # --------------------------------------------------------------- evaluation
-def _piece_params(plan: Plan, e, p: int) -> dict:
-    """`e`'s params at a piece of `p` positions of the chunk axis."""
+def _piece_params(plan: Plan, e, p: int | None) -> dict:
+    """`e`'s params at a piece of `p` positions of the chunk axis (None: the
+    whole axis), at one device's shapes under `plan.layout`."""
     name = e.primitive.name
     params = dict(e.params)
     out = e.outvars[0] if e.outvars else None
+    if plan.layout is not None:
+        # one device's values carry no sharding of the whole mesh (explicit
+        # sharding writes it into the params of the equations that make them)
+        for key in ("sharding", "out_sharding"):
+            if params.get(key) is not None:
+                params[key] = None
 
     def at(shape, var):
-        shape = list(shape)
-        for d in plan.cdims(var):
-            shape[d] = p
+        shape = list(plan.local_shape(var)) if plan.layout is not None else list(shape)
+        if p is not None:
+            for d in plan.cdims(var):
+                shape[d] = p
         return tuple(shape)
 
     if name in ("broadcast_in_dim", "iota"):
@@ -861,11 +893,12 @@ def _piece_params(plan: Plan, e, p: int) -> dict:
     elif name == "gather":
         operand = e.invars[0]
         sizes = list(params["slice_sizes"])
-        for d in plan.cdims(operand):
-            if sizes[d] == _shape(operand)[d]:
-                sizes[d] = p
+        local = at(_shape(operand), operand)
+        for d, n in enumerate(_shape(operand)):
+            if sizes[d] == n:
+                sizes[d] = local[d]
         params["slice_sizes"] = tuple(sizes)
-    elif name == "slice":
+    elif name == "slice" and p is not None:
         a = e.invars[0]
         st, lim = list(params["start_indices"]), list(params["limit_indices"])
         strides = params.get("strides")
@@ -873,7 +906,7 @@ def _piece_params(plan: Plan, e, p: int) -> dict:
             st[d], lim[d] = 0, p
         params["start_indices"], params["limit_indices"] = tuple(st), tuple(lim)
         params["strides"] = strides
-    elif name == "pad":
+    elif name == "pad" and p is not None:
         a = e.invars[0]
         cfg = [tuple(c) for c in params["padding_config"]]
         for d in plan.cdims(a):
@@ -882,9 +915,225 @@ def _piece_params(plan: Plan, e, p: int) -> dict:
     return params
 
 
+def _literal(a):
+    """A literal's value, as the host holds it (under explicit sharding a
+    literal may be an array typed with the mesh, which a per-device body must
+    not close over)."""
+    v = a.val
+    return np.asarray(v) if isinstance(v, (jax.Array, np.ndarray)) else v
+
+
 def _bind(e, args, params):
     out = e.primitive.bind(*args, **params)
     return list(out) if e.primitive.multiple_results else [out]
+
+
+# ------------------------------------------------------- one device's share
+# Under a mesh the region runs on each device's shards (rules/_sharded.py
+# wraps it in custom_partitioning): the classes of some axes are split over
+# mesh axes, each equation runs on the local shards, and what reduces across
+# a split class is followed by the collective that completes it. A sum over
+# tokens that the loop accumulates is completed once, after the loop, so
+# each collective jit's program has happens once and none is added per chunk.
+REDUCING = {"reduce_sum": "psum", "reduce_max": "pmax", "reduce_min": "pmin",
+            "dot_general": "psum"}
+SPLITTABLE_MIXERS = frozenset({*REDUCING, "iota", "gather", *SCATTERS})
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which axis classes are split over which mesh axes, on one device."""
+
+    axes: dict               # class -> tuple of mesh axis names
+    shards: dict             # class -> how many shards (the product of those axes' sizes)
+    tokens: frozenset = frozenset()  # the token classes
+
+    def names(self, classes) -> tuple:
+        out = []
+        for c in classes:
+            for a in self.axes.get(c, ()):
+                if a not in out:
+                    out.append(a)
+        return tuple(out)
+
+    def reduce(self, how: str, classes, x):
+        """`x` (a partial result on each device) completed across `classes`."""
+        names = self.names(classes)
+        if not names:
+            return x
+        op = {"psum": lax.psum, "pmax": lax.pmax, "pmin": lax.pmin}[REDUCING.get(how, how)]
+        return op(x, names)
+
+    def offset(self, c, local: int, dtype):
+        """Where this device's shard of class `c` begins (0 where it is whole)."""
+        names = self.axes.get(c, ())
+        if not names:
+            return jnp.zeros((), dtype)
+        return (lax.axis_index(names) * local).astype(dtype)
+
+
+def _reduced_classes(plan: Plan, e) -> list:
+    """The classes `e` reduces or contracts away."""
+    name = e.primitive.name
+    if name in ("reduce_sum", "reduce_max", "reduce_min"):
+        cls = plan.classes(e.invars[0])
+        return [cls[d] for d in e.params["axes"] if cls[d] is not None]
+    if name == "dot_general":
+        (lc, _rc), _ = e.params["dimension_numbers"]
+        cls = plan.classes(e.invars[0])
+        return [cls[d] for d in lc if cls[d] is not None]
+    return []
+
+
+def _bind_at(plan: Plan, e, args, params, partial: bool = False):
+    """`e` on this device's shards (`plan.layout`; the plain bind without one).
+    `partial`: an accumulating equation, whose sum over tokens is completed
+    after the loop."""
+    layout = plan.layout
+    if layout is None:
+        return _bind(e, args, params)
+    name = e.primitive.name
+    if name in LAYOUT_ONLY:
+        return list(args)
+    if name == "gather":
+        return _gather_at(plan, e, args, params)
+    if name in SCATTERS:
+        return _scatter_at(plan, e, args, params)
+    out = _bind(e, args, params)
+    if name == "iota":
+        c = plan.classes(e.outvars[0])[params["dimension"]]
+        if c in layout.axes:
+            n = plan.local_shape(e.outvars[0])[params["dimension"]]
+            out = [out[0] + layout.offset(c, n, out[0].dtype)]
+        return out
+    if name in REDUCING:
+        classes = [c for c in _reduced_classes(plan, e) if not (partial and c in layout.tokens)]
+        out = [layout.reduce(name, classes, x) for x in out]
+    return out
+
+
+def _index_components(idx, k):
+    return [idx[..., j] for j in range(k)]
+
+
+def _gather_at(plan: Plan, e, args, params):
+    """A gather whose operand is split along a dimension it indexes (the
+    label's pick along the vocabulary): each device gathers what it holds,
+    zero elsewhere, and a sum across devices completes it; an index out of
+    the whole operand gets the gather's own fill."""
+    layout = plan.layout
+    operand, _ = e.invars
+    x, idx = args
+    dn = params["dimension_numbers"]
+    cls = plan.classes(operand)
+    split = [(k, d) for k, d in enumerate(dn.start_index_map) if cls[d] in layout.axes]
+    if not split:
+        return _bind(e, args, params)
+    shape, sizes = _shape(operand), params["slice_sizes"]
+    mode = params.get("mode")
+    comps = _index_components(idx, len(dn.start_index_map))
+    clip = mode is not None and "FILL" not in str(mode)
+    inside = None
+    for k, d in enumerate(dn.start_index_map):
+        hi = shape[d] - sizes[d]
+        if clip:
+            comps[k] = jnp.clip(comps[k], 0, hi)
+        else:
+            ok = (comps[k] >= 0) & (comps[k] <= hi)
+            inside = ok if inside is None else inside & ok
+    for k, d in split:
+        comps[k] = comps[k] - layout.offset(cls[d], plan.local_shape(operand)[d], comps[k].dtype)
+    local_idx = jnp.stack(comps, axis=-1).astype(idx.dtype)
+    fill = dict(params, mode=lax.GatherScatterMode.FILL_OR_DROP, fill_value=0)
+    got = layout.reduce("psum", [cls[d] for _, d in split], _bind(e, [x, local_idx], fill)[0])
+    if inside is not None:
+        # the gather's own value out of bounds (its fill), where the index is outside
+        # the whole operand
+        outside = _bind(e, [x, jnp.full_like(idx, -1)], params)[0]
+        keep = inside
+        for od in sorted(dn.offset_dims):
+            keep = jnp.expand_dims(keep, od)
+        got = jnp.where(jnp.broadcast_to(keep, got.shape), got, outside)
+    return [got]
+
+
+def _scatter_at(plan: Plan, e, args, params):
+    """A scatter into an operand split along a dimension it indexes: each
+    device applies the updates that land in its shard (the others fall out of
+    its bounds and are dropped)."""
+    layout = plan.layout
+    operand = e.invars[0]
+    x, idx, upd = args[:3]
+    dn = params["dimension_numbers"]
+    cls = plan.classes(operand)
+    split = [(k, d) for k, d in enumerate(dn.scatter_dims_to_operand_dims)
+             if cls[d] in layout.axes]
+    if not split:
+        return _bind(e, args, params)
+    shape = _shape(operand)
+    comps = _index_components(idx, len(dn.scatter_dims_to_operand_dims))
+    mode = params.get("mode")
+    if mode is not None and "FILL" not in str(mode):
+        comps = [jnp.clip(c, 0, shape[d] - 1)
+                 for c, d in zip(comps, dn.scatter_dims_to_operand_dims)]
+    for k, d in split:
+        comps[k] = comps[k] - layout.offset(cls[d], plan.local_shape(operand)[d], comps[k].dtype)
+    local_idx = jnp.stack(comps, axis=-1).astype(idx.dtype)
+    return _bind(e, [x, local_idx, upd, *args[3:]],
+                 dict(params, mode=lax.GatherScatterMode.FILL_OR_DROP))
+
+
+def unsplittable(plan: Plan) -> frozenset:
+    """Classes the region cannot run split over devices: a class its head
+    contracts (each chunk's logits would need a sum across devices), one a
+    slice or pad views, one an equation mixes in a way `_bind_at` does not
+    complete (a cumulative sum, an argmax, a concatenation, a gather of
+    windows), one with two sizes (a sliced view), one an opaque reshape reads."""
+    out = set()
+    (lc, _rc), _ = plan.head.params["dimension_numbers"]
+    out.update(c for d, c in enumerate(plan.classes(plan.head.invars[0])) if d in lc)
+    sizes: dict = {}
+    for e in [*plan.before, *plan.in_loop, *plan.between]:
+        info = eqn_dims(e)
+        vars_ = [a for a in [*e.invars, *e.outvars] if C.is_var(a)]
+        for v in vars_:
+            for n, c in zip(_shape(v), plan.classes(v)):
+                if c is not None:
+                    sizes.setdefault(c, set()).add(n)
+        if info.opaque:
+            out.update(c for v in vars_ for c in plan.classes(v) if c is not None)
+            continue
+        for a, _o, d, _kind, _cfg in info.views:
+            out.add(plan.axes.cls(a, d))
+        name = e.primitive.name
+        for v, d in info.mixed:
+            c = plan.axes.cls(v, d)
+            if name not in SPLITTABLE_MIXERS:
+                out.add(c)
+            elif name == "gather":
+                dn = e.params["dimension_numbers"]
+                if d not in dn.start_index_map or e.params["slice_sizes"][d] != 1:
+                    out.add(c)
+            elif name in SCATTERS:
+                dn = e.params["dimension_numbers"]
+                if d not in dn.scatter_dims_to_operand_dims or d not in dn.inserted_window_dims:
+                    out.add(c)
+    out.update(c for c, ns in sizes.items() if len(ns) > 1)
+    return frozenset(out)
+
+
+def localize(plan: Plan, layout: Layout) -> Plan:
+    """`plan` for one device's shards under `layout`."""
+    local = dataclasses.replace(plan, layout=layout)
+    n = layout.shards.get(plan.chunk_cls, 1)
+    if n > 1:
+        local.full, local.size, local.start = plan.full // n, plan.size // n, plan.start // n
+    zshape = local.local_shape(plan.logits)
+    zdim = next(d for d in range(len(zshape) - 1)
+                if plan.axes.cls(plan.logits, d) == plan.chunk_cls)
+    local.token_elems = math.prod(m for d, m in enumerate(zshape[:-1]) if d != zdim)
+    local.vocab = zshape[-1]
+    return local
 
 
 def _needed(eqns, wanted_ids, stop=None) -> list:
@@ -947,11 +1196,12 @@ def build_function(plan: Plan, piece_size: int):
 
         def read(a):
             if C.is_literal(a):
-                return a.val
+                return _literal(a)
             return env[id(a)]
 
         for e in plan.before:
-            for v, x in zip(e.outvars, _bind(e, [read(a) for a in e.invars], e.params)):
+            args = [read(a) for a in e.invars]
+            for v, x in zip(e.outvars, _bind_at(plan, e, args, _piece_params(plan, e, None))):
                 env[id(v)] = x
         between_by_stage: dict = {}
         for e in plan.between:
@@ -962,7 +1212,8 @@ def build_function(plan: Plan, piece_size: int):
             if exits or accs:
                 _run_loop(plan, piece_size, env, exits, accs)
             for e in between_by_stage.get(s, []):
-                for v, x in zip(e.outvars, _bind(e, [read(a) for a in e.invars], e.params)):
+                args = [read(a) for a in e.invars]
+                for v, x in zip(e.outvars, _bind_at(plan, e, args, _piece_params(plan, e, None))):
                     env[id(v)] = x
         return tuple(env[id(v)] for v in plan.outputs)
 
@@ -1013,7 +1264,7 @@ def _run_loop(plan: Plan, piece_size: int, env: dict, exits: list, accs: list):
 
         def read(a):
             if C.is_literal(a):
-                return a.val
+                return _literal(a)
             return local[id(a)]
 
         outs_needed = [id(v) for v in exits if not (piece.excluded and plan.view(v) == "sliced")]
@@ -1026,7 +1277,7 @@ def _run_loop(plan: Plan, piece_size: int, env: dict, exits: list, accs: list):
             if piece.excluded and _pad_of_slice(plan, e):
                 # the tokens the slice left out: the pad's value there
                 o = e.outvars[0]
-                shape = list(_shape(o))
+                shape = list(plan.local_shape(o))
                 for d in plan.cdims(o):
                     shape[d] = piece.size
                 local[id(o)] = jnp.full(shape, read(e.invars[1]), _dtype(o))
@@ -1045,7 +1296,7 @@ def _run_loop(plan: Plan, piece_size: int, env: dict, exits: list, accs: list):
                         (x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x)
                         for a, x in zip(e.invars, args)]
                 params["preferred_element_type"] = jnp.float32
-                results = _bind(e, args, params)
+                results = _bind_at(plan, e, args, params, partial=id(e) in partial_ids)
                 if id(e) not in partial_ids:
                     results = [r.astype(_dtype(v)) for r, v in zip(results, e.outvars)]
             elif id(e) in partial_ids and e.primitive.name == "dot_general":
@@ -1056,11 +1307,11 @@ def _run_loop(plan: Plan, piece_size: int, env: dict, exits: list, accs: list):
                 params["preferred_element_type"] = acc
                 args = [a.astype(acc) if jnp.issubdtype(a.dtype, jnp.floating) else a
                         for a in args]
-                results = _bind(e, args, params)
+                results = _bind_at(plan, e, args, params, partial=True)
             else:
-                results = _bind(e, args, params)
+                results = _bind_at(plan, e, args, params, partial=id(e) in partial_ids)
             for v, x in zip(e.outvars, results):
-                want = list(_shape(v))
+                want = list(plan.local_shape(v))
                 for d in plan.cdims(v):
                     want[d] = piece.size
                 if tuple(x.shape) != tuple(want):
@@ -1072,7 +1323,8 @@ def _run_loop(plan: Plan, piece_size: int, env: dict, exits: list, accs: list):
         for e in accs:
             x = local.get(id(e.outvars[0]))
             if x is None:
-                partial.append(jnp.zeros(_shape(e.outvars[0]), _acc_dtype(e.outvars[0])))
+                partial.append(jnp.zeros(plan.local_shape(e.outvars[0]),
+                                         _acc_dtype(e.outvars[0])))
             else:
                 partial.append(x.astype(_acc_dtype(e.outvars[0])))
         return stacked, tuple(partial)
@@ -1092,6 +1344,14 @@ def _run_loop(plan: Plan, piece_size: int, env: dict, exits: list, accs: list):
     for v, x in zip(exits, stacked):
         env[id(v)] = x
     for e, x in zip(accs, accumulated):
+        if plan.layout is not None:
+            # each device summed its own tokens: one reduction across them, after the loop
+            part = next(p for p in _needed(body_eqns, [id(v) for v in e.outvars],
+                                           stop=lambda q: id(q) in partial_ids)
+                        if id(p) in partial_ids)
+            x = plan.layout.reduce(part.primitive.name,
+                                   [c for c in _reduced_classes(plan, part)
+                                    if c in plan.layout.tokens], x)
         env[id(e.outvars[0])] = x.astype(_dtype(e.outvars[0]))
 
 

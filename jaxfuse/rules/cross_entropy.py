@@ -59,6 +59,7 @@ from .. import _compat as C
 from .._reasons import Bytes, ReasonKind
 from ..fusion.match.patterns import Match, Pattern
 from . import _chunking as K
+from . import _sharded as S
 
 NAME = "cross_entropy"
 
@@ -70,6 +71,11 @@ FITS_ONE_CHUNK = ReasonKind(
     "xent-fits-one-chunk",
     "the logits' rows ({bytes} for {tokens} tokens x {vocab}) fit one chunk of the "
     "{budget} budget: chunking cannot save memory")
+SHARDED_FORWARD = ReasonKind(
+    "xent-sharded-forward",
+    "over a mesh of {devices} devices, a loss without its gradient in the program: its "
+    "gradient, taken outside the optimized function, would sum the head weight's gradient "
+    "across devices once per chunk (a train step traced with its gradient runs per device)")
 TOO_NARROW = ReasonKind(
     "xent-too-narrow",
     "a vocabulary of {vocab} is too narrow for chunking to pay (at least {least})")
@@ -119,9 +125,12 @@ def rules(budget: Budget | int | None = None) -> list:
     `budget`: a `Budget`, or the bytes a chunk's vocabulary-wide rows may hold.
 
     Under `policy="auto"` a site is declined for cost where chunking cannot
-    save memory (`cannot_pay`), and then, like every rewrite, where the
-    compiled program would peak above jit's plus the slack; "always" applies
-    every safe site."""
+    save memory (`cannot_pay`) or, over a mesh, where the program does not hold
+    the loss's gradient (its gradient would communicate per chunk), and then,
+    like every rewrite, where the compiled program would peak above jit's plus
+    the slack; "always" applies every safe site. Over a mesh, a train step's
+    region runs on each device's shards (`_sharded.py`), keeping the
+    collectives of jit's program."""
     if budget is None:
         budget = DEFAULT_BUDGET
     elif isinstance(budget, (int, np.integer)):
@@ -220,6 +229,8 @@ class _Site:
         if "closed" not in built:
             plan = m.info["plan"]
             fn = K.build_function(plan, m.info["piece"])
+            if S.wanted(plan):  # a train step over a mesh: each device runs its shards
+                fn = S.partitioned(plan, fn, lambda local: piece_size(local, self.budget))
 
             def cross_entropy(*operands):
                 return fn(*operands)
@@ -280,9 +291,10 @@ def _facts(plan: K.Plan) -> dict:
     tokens = plan.size * plan.token_elems
     itemsize = max([np.dtype(K._dtype(v)).itemsize for e in plan.in_loop for v in e.outvars
                     if plan.vocab_wide(v)] or [4])
+    # one device's share under a mesh (plan.layout): its tokens, vocabulary and weight
     return {"tokens": tokens, "vocab": plan.vocab, "hidden": hidden,
             "row_bytes": plan.vocab * itemsize,
-            "weight_bytes": int(np.prod(K._shape(w))) * np.dtype(K._dtype(w)).itemsize}
+            "weight_bytes": int(np.prod(plan.local_shape(w))) * np.dtype(K._dtype(w)).itemsize}
 
 
 def piece_size(plan: K.Plan, budget: Budget = DEFAULT_BUDGET) -> int:
@@ -309,6 +321,9 @@ def cannot_pay(m: Match, budget: Budget = DEFAULT_BUDGET):
     plan = m.info.get("plan")
     if plan is None:
         return None
+    devices = S.mesh_size(plan)
+    if devices > 1 and not S.holds_its_gradient(plan):
+        return SHARDED_FORWARD(devices=devices)
     f = _facts(plan)
     if f["vocab"] < LEAST_VOCAB:
         return TOO_NARROW(vocab=f["vocab"], least=LEAST_VOCAB)

@@ -92,6 +92,18 @@ def test_a_data_parallel_flax_step_equals_jit_on_every_process(results):
         assert step["equal"] and step["measure_equal"], (r["process"], step)
 
 
+def test_the_cross_entropy_rule_runs_per_device_across_processes(results):
+    """The rule under auto on a step whose tokens are split over the two
+    processes: applied, jit's values on every process's shards, its
+    collectives moving at most jit's bytes (none added per chunk)."""
+    for r in results:
+        ce = r["cross_entropy"]
+        assert ce["sites"] == 1, ce
+        assert ce["error"] < 1e-5, ce
+        assert ce["specs_equal"], ce
+        assert 0 < ce["moved"] <= 1.1 * ce["jit_moved"], ce
+
+
 def test_measure_times_sharded_programs_and_every_process_decides_alike(results):
     for r in results:
         m = r["measure"]

@@ -20,11 +20,13 @@ from .plan import Plan
 
 
 def decide(closed, patterns, policy: str, platform: str | None, *, here: bool, exact: bool = True,
-           origin=None, tuner=None, time_it: bool = False):
+           origin=None, tuner=None, time_it: bool = False, shardings=None):
     """(plan, walk) for `closed` under `policy` ("auto" or "always") on
     `platform`; `here`: the program is compiled for this process's default
     device, so what it holds and how XLA fuses it can be measured; `time_it`:
-    the probe may time candidate programs (optimize's first call)."""
+    the probe may time candidate programs (optimize's first call);
+    `shardings`: the inputs' shardings where known (a program partitioned
+    over a mesh is compared per device, and on what it communicates)."""
     plan = Plan.auto(platform, exact) if policy == "auto" else Plan("always", platform, exact)
     walked = apply(closed, patterns, plan, origin)
     if plan.costed and here:
@@ -32,5 +34,6 @@ def decide(closed, patterns, policy: str, platform: str | None, *, here: bool, e
                                     time_it=time_it)
     walked = walked._replace(jaxpr=pacing.settle(walked.jaxpr))
     if plan.costed and here:
-        plan, walked = memory.settle(closed, patterns, plan, walked, origin=origin, tuner=tuner)
+        plan, walked = memory.settle(closed, patterns, plan, walked, origin=origin, tuner=tuner,
+                                     shardings=shardings)
     return plan, walked

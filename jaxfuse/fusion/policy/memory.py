@@ -20,6 +20,14 @@ plus the slack, those sites are declined, with the figures in the reason; if
 the program still peaks higher, every site is, and the program is jit's own.
 The verdicts are stored beside the tuner's decisions (per program, device and
 versions), so a program pays the compiles once.
+
+A program partitioned over a mesh is compiled with its arguments' shardings
+(the call's, `api.Optimized`) and compared per device; it is also compared on
+what its collectives move per call (`tuning/hlo_collectives.py`): a rule's
+rewrite that moves more than jit's program, beyond the same slack, is
+declined with the figures. Where a partitioned program's shardings are not
+known (a call inside another trace), the sites that may add bytes are left
+to XLA.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from ...ops.pacing import paced
 from ...ops.primitive import FUSED
 from ..ir import subjaxprs
 from ..tuning import autotuner as tuning
-from ..tuning import hlo_memory
+from ..tuning import hlo_collectives, hlo_memory
 from . import pacing
 from .cost import apply
 from .plan import Plan, rule_key
@@ -52,6 +60,15 @@ EVERY_SITE = ReasonKind(
 UNCOMPARED = ReasonKind(
     "memory-not-compared",
     "its memory could not be compared with jax.jit's ({error}): left to XLA")
+MOVES_MORE = ReasonKind(
+    "moves-more",
+    "fused, a call of the program would move {moved} between devices, {extra} more than "
+    "jax.jit's {jit_moved} (more than the slack of {slack}): {cause}")
+UNKNOWN_SHARDINGS = ReasonKind(
+    "shardings-unknown",
+    "the program is partitioned over {devices} devices and its arguments' shardings are not "
+    "known here (a call traced inside another jit): its memory and communication could not be "
+    "compared with jax.jit's, left to XLA")
 
 _WRITTEN = "it needs {bytes} of operands written out that XLA computes inside its own loop"
 _PACED = "it needs a pacing value, a scalar XLA computes (a program of little other work)"
@@ -59,9 +76,36 @@ _RULE = "the rule's replacement holds more than the computation it replaces"
 
 
 # ------------------------------------------------------------------ figures
-def _compile(closed, materialized: bool = False):
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-             for a in closed.in_avals]
+def mesh_devices(closed, shardings=None) -> int:
+    """How many devices `closed` is partitioned over: the meshes its inputs'
+    types carry, and the given shardings (1: one device)."""
+    sizes = [1]
+    for a in closed.in_avals:
+        mesh, _ = C.aval_mesh(a)
+        if mesh is not None:
+            sizes.append(int(mesh.size))
+    for s in shardings or ():
+        if s is not None:
+            sizes.append(len(s.device_set))
+    return max(sizes)
+
+
+def partitioned(closed, shardings) -> bool | None:
+    """True: partitioned over a mesh, with every input's sharding known (the
+    program is compiled with them); False: one device; None: partitioned,
+    shardings unknown."""
+    if mesh_devices(closed, shardings) <= 1:
+        return False
+    if shardings is None or len(shardings) != len(closed.in_avals) or any(s is None for s in shardings):
+        return None
+    return True
+
+
+def _compile(closed, materialized: bool = False, shardings=None):
+    sharded = shardings is not None and partitioned(closed, shardings)
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False),
+                                  **({"sharding": s} if sharded else {}))
+             for a, s in zip(closed.in_avals, shardings if sharded else [None] * len(closed.in_avals))]
     lowered = jax.jit(lambda *a: C.inline_closed(closed, *a)).lower(*avals)
     return lowered.compile(compiler_options=C.CPU_LIBRARY_FUSIONS_OFF if materialized else None)
 
@@ -73,27 +117,41 @@ def temp_bytes(closed, *, materialized: bool = False) -> int:
     return hlo_memory.figures_of(_compile(closed, materialized))["temp"]
 
 
-def peak_bytes(closed) -> int:
-    """The peak bytes of a call of `closed` compiled for the default device
-    (`hlo_memory.figures_of`), remembered per program for this process."""
-    seen = tuning.seen_figures(closed)
+def figures(closed, shardings=None) -> dict:
+    """`hlo_memory.figures_of` of `closed` compiled for the default device, or
+    with `shardings` where it is partitioned (per device, with `collectives`:
+    `hlo_collectives.Collectives.as_dict()`), remembered per program (and
+    shardings) for this process."""
+    sharded = partitioned(closed, shardings) is True
+    key = (closed, tuple(str(s) for s in shardings)) if sharded else closed
+    seen = tuning.seen_figures(key)
     if seen is None:
-        seen = hlo_memory.figures_of(_compile(closed))
-        tuning.remember_figures(closed, seen)
-    if seen["peak"] is None:
+        compiled = _compile(closed, shardings=shardings if sharded else None)
+        seen = hlo_memory.figures_of(compiled)
+        if sharded:
+            seen["collectives"] = hlo_collectives.collective_bytes(compiled.as_text()).as_dict()
+        tuning.remember_figures(key, seen)
+    return seen
+
+
+def peak_bytes(closed, shardings=None) -> int:
+    """The peak bytes of a call of `closed` (per device where it is
+    partitioned; `figures`)."""
+    peak = figures(closed, shardings)["peak"]
+    if peak is None:
         raise ValueError("a library fusion's body could not be read, so its workspace is unknown")
-    return seen["peak"]
+    return peak
 
 
-def compiled_memory(closed) -> dict:
-    """Bytes XLA reports for `closed` compiled for the default device (temp,
-    argument, output, alias), how many library fusions the program has, the
-    largest one's estimated workspace, what a call holds beyond its arguments
-    and outputs (`held`: temp plus that workspace) and its peak (`peak`); the
-    last three None where a fusion's body cannot be read."""
-    figures = hlo_memory.figures_of(_compile(closed))
-    tuning.remember_figures(closed, figures)
-    return dict(figures)
+def compiled_memory(closed, shardings=None) -> dict:
+    """Bytes XLA reports for `closed` compiled for the default device, or
+    with `shardings` per device where it is partitioned (temp, argument,
+    output, alias), how many library fusions the program has, the largest
+    one's estimated workspace, what a call holds beyond its arguments and
+    outputs (`held`: temp plus that workspace) and its peak (`peak`); the last
+    three None where a fusion's body cannot be read; where partitioned, what
+    its collectives move per call (`collectives`)."""
+    return dict(figures(closed, shardings))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,38 +209,93 @@ def adding_kinds(walked, platform: str) -> dict:
     return found
 
 
-def settle(closed, patterns, plan: Plan, walked, *, origin=None, tuner=None):
+def settle(closed, patterns, plan: Plan, walked, *, origin=None, tuner=None, shardings=None):
     """(plan, walk): `walked` (the walk of `closed` under `plan`) if a call of it
-    peaks within jit's peak and the slack; else the walk declining the sites that
-    may add bytes, if that one does; else the walk declining every site (jit's
-    own program)."""
+    peaks within jit's peak and the slack (and, partitioned over a mesh with
+    `shardings`, moves between devices within jit's bytes and the slack);
+    else the walk declining the sites that may add bytes, if that one keeps
+    both; else the walk declining every site (jit's own program)."""
     adding = adding_kinds(walked, plan.platform)
     if not adding:
         return plan, walked
+    state = partitioned(closed, shardings)
+    if state is None:
+        lean_plan = plan.declining(adding, UNKNOWN_SHARDINGS(devices=mesh_devices(closed, shardings)))
+        return lean_plan, _paced(apply(closed, patterns, lean_plan, origin))
+    sharded = shardings if state else None
     cache = (tuner or tuning.SETTLING).cache
     try:
-        jit_peak = peak_bytes(closed)
         key = {**tuning.decision_key(closed, {"xla": closed, "auto": walked.jaxpr}, patterns),
                "decision": "peak bytes"}
-        peaks = _stored(cache, key, lambda: {"xla": jit_peak, "auto": peak_bytes(walked.jaxpr)})
+        if sharded:
+            key.update(decision="peak and moved bytes", shardings=[str(x) for x in sharded])
+        found = _stored(cache, key, lambda: _measure({"xla": closed, "auto": walked.jaxpr},
+                                                     sharded))
     except Exception as e:  # noqa: BLE001 - e.g. constants of an enclosing trace: cannot compile alone
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
         lean_plan = plan.declining(adding, UNCOMPARED(error=why))
         return lean_plan, _paced(apply(closed, patterns, lean_plan, origin))
-    if hlo_memory.within(peaks["auto"], peaks["xla"]):
+    fits, moves = _keeps(found, "auto")
+    if fits and moves:
         return plan, walked
-    figures = dict(peak=Bytes(peaks["auto"]), jit_peak=Bytes(peaks["xla"]),
-                   extra=Bytes(peaks["auto"] - peaks["xla"]), slack=Bytes(hlo_memory.slack(peaks["xla"])))
     lean_plan = plan
-    for kind, cause in adding.items():
-        lean_plan = lean_plan.declining([kind], HOLDS_MORE(cause=cause, **figures))
+    if not fits:
+        figures = _peak_figures(found, "auto")
+        for kind, cause in adding.items():
+            lean_plan = lean_plan.declining([kind], HOLDS_MORE(cause=cause, **figures))
+    else:  # what moves between devices is a rule's replacement: its loop
+        figures = _moved_figures(found, "auto")
+        for kind, cause in adding.items():
+            if cause == _RULE:
+                lean_plan = lean_plan.declining([kind], MOVES_MORE(cause=cause, **figures))
     lean = _paced(apply(closed, patterns, lean_plan, origin))
     lean_key = {**key, "lean": tuning.fingerprint(lean.jaxpr)}
-    lean_peak = _stored(cache, lean_key, lambda: {"lean": peak_bytes(lean.jaxpr)})["lean"]
-    if hlo_memory.within(lean_peak, peaks["xla"]):
+    lean_found = {**found, **_stored(cache, lean_key, lambda: {
+        k.replace("auto", "lean"): v
+        for k, v in _measure({"auto": lean.jaxpr}, sharded).items()})}
+    if all(_keeps(lean_found, "lean")):
         return lean_plan, lean
-    none = plan.declining_all(EVERY_SITE(lean_peak=Bytes(lean_peak), **figures))
+    if not fits:
+        none = plan.declining_all(EVERY_SITE(lean_peak=Bytes(lean_found["lean"]),
+                                             **_peak_figures(found, "auto")))
+    else:
+        none = plan.declining_all(MOVES_MORE(cause="every site is left to XLA",
+                                             **_moved_figures(lean_found, "lean")))
     return none, apply(closed, patterns, none, origin)
+
+
+def _measure(programs: dict, shardings) -> dict:
+    """{name: peak bytes} of each program, and {name + "_moved": bytes its
+    collectives move} where partitioned."""
+    out = {}
+    for name, program in programs.items():
+        fig = figures(program, shardings)
+        if fig["peak"] is None:
+            raise ValueError("a library fusion's body could not be read, so its workspace is unknown")
+        out[name] = fig["peak"]
+        if shardings is not None:
+            out[name + "_moved"] = fig["collectives"]["bytes"]
+    return out
+
+
+def _keeps(found: dict, name: str) -> tuple[bool, bool]:
+    """(peaks within jit's and the slack, moves within jit's and the slack)."""
+    fits = hlo_memory.within(found[name], found["xla"])
+    moved = found.get(name + "_moved")
+    moves = moved is None or hlo_memory.within(moved, found.get("xla_moved", 0))
+    return fits, moves
+
+
+def _peak_figures(found: dict, name: str) -> dict:
+    return dict(peak=Bytes(found[name]), jit_peak=Bytes(found["xla"]),
+                extra=Bytes(found[name] - found["xla"]),
+                slack=Bytes(hlo_memory.slack(found["xla"])))
+
+
+def _moved_figures(found: dict, name: str) -> dict:
+    jit = found.get("xla_moved", 0)
+    return dict(moved=Bytes(found[name + "_moved"]), jit_moved=Bytes(jit),
+                extra=Bytes(found[name + "_moved"] - jit), slack=Bytes(hlo_memory.slack(jit)))
 
 
 def holds_no_more(closed, new, patterns=(), tuner=None) -> bool:

@@ -27,7 +27,9 @@ class Report:
     """The platform the cost decisions were made for (None: platform-independent)."""
     memory: dict | None = None
     """`explain(..., memory=True)`: the bytes XLA reports for the program as
-    traced ("jit") and as rewritten ("optimized"): temp, argument, output."""
+    traced ("jit") and as rewritten ("optimized"): temp, argument, output;
+    for a program partitioned over a mesh, per device, with `collectives`
+    (the bytes its collectives move per call)."""
     measured: str | None = None
     """What `auto` decided by measurement rather than by rule (policy/probe.py,
     policy/memory.py), if anything."""
@@ -151,6 +153,14 @@ def _memory_lines(memory: dict) -> str:
     if hidden:
         out += ("\n  (XLA's temp figures leave out what XLA:CPU's library fusions hold in "
                 f"their own workspace: {' and '.join(hidden)}; the peak counts the largest)")
+    if jit.get("collectives") is not None and opt.get("collectives") is not None:
+        moved, jit_moved = opt["collectives"]["bytes"], jit["collectives"]["bytes"]
+        verdict = "within" if within(moved, jit_moved) else "ABOVE"
+        out += (f"\nbytes moved between devices per call (each collective's result, times its "
+                f"loops' trips; per device): {human_bytes(jit_moved)} with jax.jit in "
+                f"{jit['collectives']['count']} collectives, {human_bytes(moved)} optimized in "
+                f"{opt['collectives']['count']} ({_change(jit_moved, moved)}; {verdict} jit's "
+                f"plus the slack of {human_bytes(slack(jit_moved))})")
     if memory.get("calls") is not None:
         out += _per_call_lines(memory["calls"])
     return out

@@ -257,13 +257,18 @@ _FIGURES_LOCK = threading.Lock()
 
 
 def _figures_key(program) -> tuple:
+    """`program`, or (program, its inputs' shardings as text) for a partitioned one."""
     device = C.default_device()
+    if isinstance(program, tuple):
+        program, shardings = program
+        return device.platform, device.device_kind, fingerprint(program), shardings
     return device.platform, device.device_kind, fingerprint(program)
 
 
 def seen_figures(program) -> dict | None:
-    """The memory figures of `program` compiled for the default device, when
-    this process compiled it for a tuner or the memory check; else None."""
+    """The memory figures of `program` compiled for the default device (or,
+    given (program, shardings), partitioned with them), when this process
+    compiled it for a tuner or the memory check; else None."""
     key = _figures_key(program)
     with _FIGURES_LOCK:
         return _FIGURES.get(key)
