@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH.png", help="write the plot (needs matplotlib; only if given)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress on stderr (default: a bar on a terminal, a line per case otherwise)")
+    p.add_argument("--sharded", action="store_true",
+                   help="also time a language-model train step sharded over 4 CPU host devices "
+                   "(data parallel, tensor parallel, FSDP; jaxfuse_bench.sharded), in a process "
+                   "of its own: time, temp per device and the bytes collectives move, against "
+                   "jit; its records go into the JSON as \"sharded\"")
     p.add_argument("--compare", metavar="OLD.json",
                    help="after the run, print per-case changes against OLD.json")
     p.add_argument("--against", metavar="NEW.json",
@@ -461,6 +466,8 @@ def run(args) -> int:
               f"{len(args.workloads)} workloads, {reps} repetitions. The full run (every size "
               f"from 2^16, every dtype, every model workload): jaxfuse-bench --json bench.json")
 
+    if args.sharded:
+        payload["sharded"] = _run_sharded(args.quick)
     if args.json:
         report.write_json(args.json, payload)
         print(f"wrote {args.json}")
@@ -477,6 +484,30 @@ def run(args) -> int:
         print()
         print(_compare.format_compare(old, payload, args.compare, args.json))
     return rc
+
+
+def _run_sharded(quick: bool) -> list | None:
+    """`jaxfuse_bench.sharded` in its own process (it sets the host devices
+    before jax starts): its table printed, its records returned."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "sharded.json")
+        cmd = [sys.executable, "-m", "jaxfuse_bench.sharded", "--json", out] + (
+            ["--quick"] if quick else [])
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                    if "host_platform_device_count" not in f)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        print()
+        print(done.stdout.rstrip())
+        if done.returncode != 0:
+            print(f"jaxfuse-bench --sharded failed: {done.stderr.strip()[-2000:]}", file=sys.stderr)
+            return None
+        with open(out) as f:
+            return json.load(f)
 
 
 def _loadavg():

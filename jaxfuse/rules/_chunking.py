@@ -492,7 +492,7 @@ def analyse(graph, head) -> Plan:
     # A custom_jvp/vjp call the walker sees through is rewritten whole or not
     # at all (inline.py): the rest of the body of one the core reads in (the
     # per-token `log(sum) + max` of jax's log-sum-exp, a custom_jvp from jax
-    # 0.11) goes with the region.
+    # 0.12.1) goes with the region.
     tail: dict = {}
     for e in core.values():
         for g in graph.calls_around(e):

@@ -390,7 +390,7 @@ def test_near_misses_are_declined_with_their_reasons(rng):
 def test_a_loss_under_its_own_jit_under_grad(rng):
     """`jax.grad` of a function calling a jitted loss: the forward call passes
     a [tokens, V] value to the gradient's call. Where both calls are small
-    enough to inline (jax 0.11 on: the log-sum-exp is a custom_jvp call, so
+    enough to inline (jax 0.12.1 on: the log-sum-exp is a custom_jvp call, so
     the forward call has few equations of its own), the walker sees through
     them and the region spans them: one site, jit's values. Where the forward
     call is larger (jax 0.10 spells the log-sum-exp out), the region ends at

@@ -9,7 +9,7 @@ program look alike):
     (jnp.clip's `jit[clip]`, a user's jitted ReLU);
   * the primal body of a `custom_jvp_call` or `custom_vjp_call`
     (`jax.nn.relu`; `jax.nn.softmax` from jax 0.12.1, where
-    `jax_softmax_custom_jvp` is on by default; `logsumexp` from jax 0.11).
+    `jax_softmax_custom_jvp` is on by default; `logsumexp` from jax 0.12.1 whatever the flag).
     Such a function has its own derivative rule, so a rewrite takes all of
     its body or none of it (`Inlining.partial_custom`): the rewritten site's
     gradient is then the replacement's, and a call no rewrite took is put

@@ -1,7 +1,7 @@
 """Rules see through `custom_jvp_call` and `custom_vjp_call` (jaxfuse/fusion/ir/inline.py).
 
 From jax 0.12.1 `jax.nn.softmax` is a custom_jvp function by default
-(`jax_softmax_custom_jvp`), and `jax.nn.logsumexp` is one from jax 0.11
+(`jax_softmax_custom_jvp`), and `jax.nn.logsumexp` is one from jax 0.12.1
 whatever the flag: a rule whose pattern calls them matches a program traced
 with the flag either way, and the pattern may itself be traced either way. A
 rewrite takes a custom function's body whole (its gradient is then the
@@ -71,11 +71,11 @@ def _is_custom(fun, flag) -> bool:
 
 def test_which_are_custom_here():
     """What the inlining has to see through on this jax: softmax follows the
-    flag; logsumexp is a custom_jvp from jax 0.11 on; the rest are not."""
-    release = tuple(int(p) for p in jax.__version__.split(".")[:2])
+    flag; logsumexp is a custom_jvp from jax 0.12.1 on; the rest are not."""
+    release = tuple(int(p) for p in jax.__version__.split(".")[:3])
     for flag in (False, True):
         assert _is_custom(FUNCTIONS["softmax"], flag) == flag
-        assert _is_custom(FUNCTIONS["logsumexp"], flag) == (release >= (0, 11))
+        assert _is_custom(FUNCTIONS["logsumexp"], flag) == (release >= (0, 12, 1))
         assert not _is_custom(FUNCTIONS["gelu"], flag)
 
 
