@@ -435,6 +435,19 @@ def new_var(aval):
     return Var(aval)
 
 
+_DebugInfo = _private("jax._src.core", "DebugInfo")
+
+
+def make_jaxpr_of(constvars, invars, eqns, outvars, name: str = "region") -> Jaxpr:
+    """A Jaxpr of these equations (their effects joined), named `name` in its debug info."""
+    effects = set()
+    for e in eqns:
+        effects |= set(e.effects)
+    debug = _DebugInfo(name, name, tuple(f"x{i}" for i in range(len(invars))),
+                       tuple(f"out{i}" for i in range(len(outvars))))
+    return Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), effects, debug)
+
+
 def no_effects():
     return _xcore.no_effects
 

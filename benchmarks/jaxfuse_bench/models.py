@@ -57,6 +57,11 @@ Workloads (sizes per platform in ``SIZES``: ``quick`` / ``cpu`` / ``gpu``)
                       transformers (a release with Flax models, <4.58).
 * ``hf_gpt2_decoder`` ``FlaxGPT2Model`` at the same width, 2 layers: causal
                       attention with the padding mask.  Needs transformers.
+* ``hf_bert_train``, ``hf_gpt2_train``
+                      the same two models' train steps: ``jax.value_and_grad``
+                      of a loss of their hidden states; the attention rule
+                      matches each layer with its backward and replaces both
+                      (jax.nn's forward and its own VJP).
 * ``llama_train``, ``llama_train_128k``
                       HF transformers' ``FlaxLlamaForCausalLM`` (random
                       weights, never a download): ``jax.value_and_grad`` of
@@ -99,7 +104,7 @@ from . import workloads as W
 MODEL_WORKLOADS = ("relu_add", "scale_shift", "dense_relu", "mlp", "mlp_train_step", "flax_cnn",
                    "eqx_nchw_conv", "resnet_block", "stax_resnet50", "haiku_resnet_train",
                    "haiku_resnet_eval", "haiku_resnet50_eval", "linen_ffn_train", "eqx_mlp_train", "linen_attention",
-                   "hf_bert_encoder", "hf_gpt2_decoder",
+                   "hf_bert_encoder", "hf_gpt2_decoder", "hf_bert_train", "hf_gpt2_train",
                    "llama_train", "llama_train_128k", "gpt2_train", "gpt2_train_128k")
 
 SIZES: dict[str, dict[str, tuple]] = {
@@ -129,6 +134,9 @@ SIZES: dict[str, dict[str, tuple]] = {
     # (batch, tokens): BERT-base width, 2 layers
     "hf_bert_encoder": {"quick": (2, 64), "cpu": (8, 128), "gpu": (32, 512)},
     "hf_gpt2_decoder": {"quick": (2, 64), "cpu": (8, 128), "gpu": (32, 512)},
+    # their train steps: value_and_grad of a loss of the hidden states
+    "hf_bert_train": {"quick": (2, 64), "cpu": (8, 128), "gpu": (32, 512)},
+    "hf_gpt2_train": {"quick": (2, 64), "cpu": (8, 128), "gpu": (32, 512)},
     # language-model train steps: (batch, tokens, width, layers, vocabulary)
     "llama_train": {"quick": (2, 64, 64, 2, 4096), "cpu": (4, 256, 256, 2, 32000),
                     "gpu": (8, 1024, 1024, 2, 32000)},
@@ -152,6 +160,8 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "linen_attention": ("flax",),
     "hf_bert_encoder": ("flax", "transformers"),
     "hf_gpt2_decoder": ("flax", "transformers"),
+    "hf_bert_train": ("flax", "transformers"),
+    "hf_gpt2_train": ("flax", "transformers"),
     "llama_train": ("transformers", "optax"),
     "llama_train_128k": ("transformers", "optax"),
     "gpt2_train": ("transformers", "optax"),
@@ -581,6 +591,29 @@ def _hf_gpt2_decoder(size, dtype, key):
                 rules=tuple(jaxfuse.rules.attention.rules()))
 
 
+def _hf_train(forward_spec: Spec) -> Spec:
+    """`jax.value_and_grad` of a loss of an HF model's hidden states: its
+    attention's values are read by the backward pass, so the rule matches each
+    layer with its backward (jaxfuse/fusion/match/training.py)."""
+    forward = forward_spec.fn
+
+    def loss(params, ids, mask):
+        return jnp.mean(jnp.sin(forward(params, ids, mask).astype(jnp.float32)))
+
+    return Spec(jax.value_and_grad(loss), forward_spec.params, forward_spec.data_shapes,
+                forward_spec.shape, note=forward_spec.note.replace(", padding mask", ", padding mask, "
+                                                                   "value_and_grad of a loss"),
+                rules=forward_spec.rules)
+
+
+def _hf_bert_train(size, dtype, key):
+    return _hf_train(_hf_bert_encoder(size, dtype, key))
+
+
+def _hf_gpt2_train(size, dtype, key):
+    return _hf_train(_hf_gpt2_decoder(size, dtype, key))
+
+
 def _eqx_mlp_train(size, dtype, key):
     import equinox as eqx
     import optax
@@ -660,6 +693,7 @@ BUILDERS: dict[str, Callable] = {
     "mlp_train_step": _mlp_train_step, "flax_cnn": _flax_cnn, "eqx_nchw_conv": _eqx_nchw_conv,
     "resnet_block": _resnet_block, "stax_resnet50": _stax_resnet50,
     "hf_bert_encoder": _hf_bert_encoder, "hf_gpt2_decoder": _hf_gpt2_decoder,
+    "hf_bert_train": _hf_bert_train, "hf_gpt2_train": _hf_gpt2_train,
     "llama_train": _llama_train, "llama_train_128k": _llama_train,
     "gpt2_train": _gpt2_train, "gpt2_train_128k": _gpt2_train,
 }
@@ -675,6 +709,7 @@ SIZE_FORMS: dict[str, str] = {
     "linen_ffn_train": "batch x tokens x width", "eqx_mlp_train": "batch x features x width",
     "linen_attention": "batch x tokens x width",
     "hf_bert_encoder": "batch x tokens", "hf_gpt2_decoder": "batch x tokens",
+    "hf_bert_train": "batch x tokens", "hf_gpt2_train": "batch x tokens",
     "llama_train": "batch x tokens x width x layers x vocabulary",
     "llama_train_128k": "batch x tokens x width x layers x vocabulary",
     "gpt2_train": "batch x tokens x width x layers x vocabulary",

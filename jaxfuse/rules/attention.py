@@ -1166,7 +1166,8 @@ def cost(m: Match, graph) -> Reason | None:
 ATTENTION = Pattern(
     NAME, match, check, build, roots=frozenset({"dot_general", "transpose"}),
     doc="softmax(scale * q.k + bias [masked]) . v -> jax.nn.dot_product_attention",
-    needs=frozenset({"dot_general", "exp", "reduce_sum", "div"}), cost=cost)
+    needs=frozenset({"dot_general", "exp", "reduce_sum", "div"}), cost=cost,
+    replacement=lambda m: _replacement(m.info["plan"]))
 
 
 def rules() -> list:

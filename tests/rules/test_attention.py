@@ -335,3 +335,51 @@ def test_each_platform_gets_its_own_replacement(rng, monkeypatch):
     # Here cuDNN is absent, so even the GPU's program takes the XLA path.
     assert real(q, k, v, platform="cuda", compute_capability=None,
                 cudnn_version=jaxfuse._compat.cudnn_version())[0] == "xla"
+
+
+# -------------------------------------------------------------- train steps
+def _causal_layer(p, x):
+    b, t, d = x.shape
+
+    def heads(w):
+        return (x @ w).reshape(b, t, 4, d // 4)
+
+    q, k, v = heads(p["wq"]), heads(p["wk"]), heads(p["wv"])
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // 4).astype(np.float32)
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e30)
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+    return x + o.reshape(b, t, d) @ p["wo"]
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpoint"])
+def test_a_train_step_rewrites_forward_and_backward(rng, remat):
+    """Hand-written causal attention (2 x 128 tokens, 4 heads of 32), two
+    layers, `value_and_grad`: each layer's forward and backward replaced by
+    jax.nn's forward and its VJP. Under `jax.checkpoint` the forward pass
+    holds each layer's primal alone (its forward rewritten) and the backward
+    recomputes it beside its gradient in the checkpoint's body (both
+    rewritten there)."""
+    d = 128
+    ps = [{n: jnp.asarray(rng.standard_normal((d, d)) * 0.05, jnp.float32)
+           for n in ("wq", "wk", "wv", "wo")} for _ in range(2)]
+    x = jnp.asarray(rng.standard_normal((2, 128, d)), jnp.float32)
+    layer = jax.checkpoint(_causal_layer) if remat else _causal_layer
+
+    def loss(ps, x):
+        for p in ps:
+            x = layer(p, x)
+        return jnp.mean(jnp.sin(x))
+
+    step = jax.value_and_grad(loss)
+    found = [s for s in jaxfuse.explain(step, ps, x, patterns=rules(),
+                                        policy="always").sites if s.pattern == "attention"]
+    assert all(s.fused for s in found), found
+    joint = [s for s in found if s.spelling.endswith("+ gradient")]
+    assert len(joint) == 2 and all(s.path == ("checkpoint" if remat else "") for s in joint), found
+    assert len(found) == (4 if remat else 2), found
+    opt = jaxfuse.optimize(step, patterns=rules(), policy="always")
+    (gl, gg), (wl, wg) = opt(ps, x), jax.jit(step)(ps, x)
+    np.testing.assert_allclose(np.asarray(gl), np.asarray(wl), rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(gg), jax.tree.leaves(wg), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4,
+                                   atol=1e-4 * float(np.max(np.abs(np.asarray(w)))))

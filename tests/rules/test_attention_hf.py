@@ -341,3 +341,24 @@ def test_16_bit_hf_models_get_cudnn_under_auto_gpu(family):
     want = np.asarray(jax.jit(f32)(p32, *inputs), np.float64)
     err = lambda x: float(np.linalg.norm(np.asarray(x, np.float64) - want) / np.linalg.norm(want))  # noqa: E731
     assert err(opt(params, *inputs)) <= max(2 * err(jax.jit(forward)(params, *inputs)), 2e-2)
+
+
+# -------------------------------------------------------------- train steps
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+def test_train_steps_rewrite_every_attention_forward_and_backward(family):
+    """`optimize(jax.value_and_grad(loss))`: each attention layer's values
+    are read by the backward pass, so each site is matched with its backward
+    (fusion/match/training.py) and replaced by jax.nn's forward and its own
+    VJP: every layer, loss within 1e-5 and gradients within 1e-4 of jit's."""
+    forward, params, inputs = H.build(family)
+    step = jax.value_and_grad(loss_of(forward))
+    found = sites(step, params, *inputs)
+    assert len(found) == H.attention_layers(family), found
+    assert all(s.fused and s.spelling.endswith("+ gradient") for s in found), found
+    opt = jaxfuse.optimize(step, patterns=_rules(), policy="always")
+    called = [str(e.params.get("name", "")) for e in all_eqns(jax.make_jaxpr(opt)(params, *inputs))]
+    assert sum(n.startswith("attention") and n.endswith("_vjp") for n in called) \
+        == H.attention_layers(family)
+    (got_loss, got), (want_loss, want) = opt(params, *inputs), jax.jit(step)(params, *inputs)
+    np.testing.assert_allclose(np.asarray(got_loss), np.asarray(want_loss), rtol=1e-5)
+    close(got, want, 1e-4)

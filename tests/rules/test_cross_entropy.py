@@ -514,3 +514,27 @@ def test_auto_declines_for_cost_where_chunking_saves_nothing_and_always_applies(
                                                            policy="always"),
                                           x, w, ids).sites if s.pattern == X.NAME]
     assert site.fused
+
+
+def test_a_gradient_accumulation_scan_over_micro_batches(rng):
+    """The train step people write for large batches: `lax.scan` over 4
+    micro-batches, each one's `value_and_grad` added to a carry. The region
+    sits in the scan's body, with its gradient: fused there, jit's values,
+    at most 0.3x jit's temp."""
+    h, v = 64, 4096
+    w = jnp.asarray(rng.standard_normal((h, v)) * 0.05, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4, 8, 64, h)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, v, (4, 8, 64)), jnp.int32)
+
+    def loss(w, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean()
+
+    def accumulate(w, x, labels):
+        def body(acc, mb):
+            value, grad = jax.value_and_grad(loss)(w, *mb)
+            return (acc[0] + value, acc[1] + grad), None
+        (value, grad), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros_like(w)), (x, labels))
+        return value / 4, grad / 4
+
+    c = check(accumulate, w, x, labels, rules=X.rules(budget=X.ROWS_LIVE * 4 * v * 64))
+    assert c.temp <= 0.3 * c.jit_temp, (c.temp, c.jit_temp)

@@ -401,6 +401,13 @@ class CanonicalView:
                     grew = True
         return tuple(found)
 
+    def atom(self, atom):
+        """The view's atom for one of the program's (the same, unless the view
+        merged its equation with another or read through it)."""
+        while C.is_var(atom) and id(atom) in self._env:
+            atom = self._env[id(atom)]
+        return atom
+
     def is_fresh(self, atom) -> bool:
         return C.is_var(atom) and id(atom) in self._fresh
 

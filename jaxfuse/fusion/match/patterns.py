@@ -103,6 +103,11 @@ class Pattern:
     """Under `policy="auto"`, `cost(match, graph)` decides a safe site: a
     reason (a `Reason` or a string) declines it for cost, None applies it.
     Not consulted under "always". None: every safe site applies."""
+    replacement: Callable[[Match], Callable] | None = None
+    """`replacement(match)`: the JAX function of the match's operands its
+    rewrite computes. Given, a site whose values a backward pass reads (a
+    train step) is matched with that backward and replaced by the function's
+    forward and its own VJP (`training.py`). None: such a site is declined."""
 
     def __post_init__(self):
         if self.roots is not None:

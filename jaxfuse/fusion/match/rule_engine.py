@@ -383,10 +383,14 @@ def _transposed_later(eqn, graph: Graph) -> bool:
 def _same_constant(p_value, g_value, p, g) -> bool:
     """The same type, and the same value element for element (a constant's
     value may be held before its broadcast)."""
-    p_value, g_value = np.asarray(p_value), np.asarray(g_value)
     if (np.dtype(p.aval.dtype) != np.dtype(g.aval.dtype)
             or tuple(p.aval.shape) != tuple(g.aval.shape)):
         return False
+    # a weakly typed literal may be held as a Python float: compare the values
+    # the program computes with, in its dtype
+    with np.errstate(all="ignore"):
+        p_value = np.asarray(p_value).astype(np.dtype(p.aval.dtype))
+        g_value = np.asarray(g_value).astype(np.dtype(g.aval.dtype))
     try:
         shape = np.broadcast_shapes(p_value.shape, g_value.shape)
         p_value, g_value = np.broadcast_to(p_value, shape), np.broadcast_to(g_value, shape)
@@ -712,7 +716,8 @@ def rule(pattern, replacement: Callable, *, name: str | None = None,
     r = _Rule(patterns, replacement, name, where, example_args, cost)
     return Pattern(name, r.match, r.check, r.build, roots=frozenset(r.roots),
                    doc=f"user rule {name!r}", needs=r.needs,
-                   cost=r.cost if cost is not None else None)
+                   cost=r.cost if cost is not None else None,
+                   replacement=lambda m: r.replacement)
 
 
 __all__ = ["rule", "RuleError"]

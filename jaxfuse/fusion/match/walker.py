@@ -26,6 +26,7 @@ from ..ir.graph import Graph
 from ..ir.inline import inline_small_calls, restore_unused_calls
 from ..ir.products import feeds
 from ..ir.sites import Site, Skipped
+from . import training
 from .patterns import Match, Pattern
 
 # What no pattern may do (`_structural_reason`), and where a match cannot go.
@@ -198,6 +199,15 @@ class _Walk:
                         reason = None
                     reason = (reason or _structural_reason(m, graph, absorbed)
                               or (OPAQUE(opaque) if opaque else None))
+                    if (reason is not None and reason.kind is SECOND_READER
+                            and pattern.replacement is not None and not opaque):
+                        # the region's values read by a backward: its training form
+                        joint = training.joint_match(m, graph)
+                        if isinstance(joint, Match):
+                            why = _structural_reason(joint, graph, absorbed)
+                            m, reason = (joint, None) if why is None else (m, why)
+                        elif joint is not None:
+                            reason = joint
                     cost_reason = None
                     if reason is None and pattern.barrier and self.cost is not None:
                         cost_reason, facts = self.cost.evaluate(m, graph, context, pattern,
@@ -207,10 +217,12 @@ class _Walk:
                     elif reason is None and self.cost is not None:
                         cost_reason = as_reason(self.cost.evaluate_rule(m, graph, pattern))
                     if reason is None and cost_reason is None:
-                        where, reason = _placement(m, graph)
-                    if reason is None and cost_reason is None:
                         m = dataclasses.replace(m, dead_operands=_dead_operands(m, graph, carried))
-                        plans[where] = plans.get(where, []) + _build(pattern, m, graph)
+                        built = _build(pattern, m, graph)
+                        placed, reason = _placement(m, graph, built)
+                    if reason is None and cost_reason is None:
+                        for where, e in placed:
+                            plans.setdefault(where, []).append(e)
                         keep = {id(e) for e in m.shared}
                         absorbed.update(id(e) for e in m.eqns if id(e) not in keep)
                         sites.append(self._site(pattern, m, None, declined))
@@ -338,22 +350,52 @@ def _dead_operands(m: Match, graph: Graph, carried) -> tuple:
     return tuple(dead)
 
 
-def _placement(m: Match, graph: Graph) -> tuple[int, Reason | None]:
-    """Where the replacement goes: at the first absorbed equation that defines
-    one of its outputs, which must come after every operand's definition."""
+def _placement(m: Match, graph: Graph, built: list) -> tuple[list, Reason | None]:
+    """Where each equation of the replacement goes: at the first absorbed
+    equation that defines one of its outputs (one that defines none, with the
+    next that does), after every operand it reads. A region and its backward
+    (a training form) place their two calls apart: the forward's where the
+    region was, the VJP's where the gradients were."""
     outputs = {id(v) for v in m.outputs}
     shared = {id(e) for e in m.shared}
-    where = min(graph.position(e) for e in m.eqns
-                if id(e) not in shared and any(id(v) in outputs for v in e.outvars))
-    for a in m.operands:
-        prod = graph.producer(a)
-        if prod is not None and graph.position(prod) >= where:
-            return where, OPERAND_AFTER(graph.eqns[where].primitive.name)
-    return where, None
+    defines = {}
+    for e in m.eqns:
+        if id(e) not in shared:
+            for v in e.outvars:
+                if id(v) in outputs:
+                    defines[id(v)] = min(defines.get(id(v), 1 << 62), graph.position(e))
+    wheres = [min((defines[id(v)] for v in b.outvars if id(v) in defines), default=None)
+              for b in built]
+    later = None
+    for k in range(len(built) - 1, -1, -1):
+        later = wheres[k] = wheres[k] if wheres[k] is not None else later
+    first = min((w for w in wheres if w is not None), default=None)
+    if first is None:
+        first = min(graph.position(e) for e in m.eqns if id(e) not in shared)
+    placed, made = [], {}
+    for b, where in zip(built, wheres):
+        where = first if where is None else where
+        for a in b.invars:
+            if not C.is_var(a):
+                continue
+            if id(a) in made:
+                if made[id(a)] > where:  # pragma: no cover - a call reading a later call's value
+                    return [], OPERAND_AFTER(graph.eqns[where].primitive.name)
+                continue
+            prod = graph.producer(a)
+            if prod is not None and graph.position(prod) >= where:
+                return [], OPERAND_AFTER(graph.eqns[where].primitive.name)
+        for v in b.outvars:
+            made[id(v)] = where
+        placed.append((where, b))
+    return placed, None
 
 
 def _build(pattern: Pattern, m: Match, graph: Graph) -> list:
-    new = list(pattern.build(m, graph))
+    if "training" in m.info:
+        new = training.build(pattern.replacement(m), m, pattern.name)
+    else:
+        new = list(pattern.build(m, graph))
     defined = {id(v) for e in new for v in e.outvars}
     missing = [v for v in m.outputs if id(v) not in defined]
     if missing:

@@ -101,6 +101,23 @@ def partitioned(closed, shardings) -> bool | None:
     return True
 
 
+def typed_shardings(closed) -> list | None:
+    """The inputs' shardings as their types state them, where every mesh
+    the types name has Explicit axes only (explicit sharding); else None."""
+    meshes = {m for m, _ in map(C.aval_mesh, closed.in_avals) if m is not None}
+    if len(meshes) != 1:
+        return None
+    (abstract,) = meshes
+    if not all("Explicit" in str(t) for t in getattr(abstract, "axis_types", ())):
+        return None
+    try:
+        mesh = C.concrete_mesh_for(abstract)
+    except ValueError:
+        return None
+    return [jax.sharding.NamedSharding(mesh, C.aval_mesh(a)[1] or jax.sharding.PartitionSpec())
+            for a in closed.in_avals]
+
+
 def _compile(closed, materialized: bool = False, shardings=None):
     sharded = shardings is not None and partitioned(closed, shardings)
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False),
@@ -219,6 +236,9 @@ def settle(closed, patterns, plan: Plan, walked, *, origin=None, tuner=None, sha
     if not adding:
         return plan, walked
     state = partitioned(closed, shardings)
+    if state is None:
+        shardings = typed_shardings(closed)
+        state = partitioned(closed, shardings)
     if state is None:
         lean_plan = plan.declining(adding, UNKNOWN_SHARDINGS(devices=mesh_devices(closed, shardings)))
         return lean_plan, _paced(apply(closed, patterns, lean_plan, origin))
