@@ -40,7 +40,7 @@ def _same_shards(a, b) -> bool:
 
     bits = lambda a: np.atleast_1d(np.asarray(a.data)).view(np.uint8)  # noqa: E731
     return all(np.array_equal(bits(x), bits(y))
-               for x, y in zip(a.addressable_shards, b.addressable_shards))
+               for x, y in zip(a.addressable_shards, b.addressable_shards, strict=False))
 
 
 def _global(mesh, spec, host):
@@ -123,8 +123,8 @@ def cross_entropy(mesh) -> dict:
     sites = sum(e.params.get("name") == X.NAME for e in all_eqns(fused.trace(x, w, labels).jaxpr))
     want, got = jax.jit(step)(x, w, labels), fused(x, w, labels)
     err = 0.0
-    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        for a, b in zip(g.addressable_shards, r.addressable_shards):
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=False):
+        for a, b in zip(g.addressable_shards, r.addressable_shards, strict=False):
             a, b = np.asarray(a.data, np.float64), np.asarray(b.data, np.float64)
             err = max(err, float(np.max(np.abs(a - b), initial=0) / max(np.max(np.abs(b)), 1e-30)))
     moved = collective_bytes(fused.lower(x, w, labels).compile().as_text()).bytes
@@ -175,7 +175,7 @@ def train_step(mesh, tuner) -> dict:
     measured = jaxfuse.optimize(step, policy="measure", autotuner=tuner)(params, state, xs, ys)
     sites = jaxfuse.explain(fused, params, state, xs, ys)
     same = lambda a, b: all(_same_shards(g, w)  # noqa: E731
-                            for g, w in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+                            for g, w in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=False))
     return {"fused_sites": len(sites.fused), "equal": same(got, want),
             "measure_equal": same(measured, want)}
 

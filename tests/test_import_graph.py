@@ -4,7 +4,7 @@ Imports inside functions count, and so does the package `__init__` that
 importing a submodule runs first. Layers, bottom up (a module imports only
 from its own layer and those listed below it as allowed):
 
-  base      jaxfuse._compat, _reasons, _version, _build_info
+  base      jaxfuse._compat, _reasons, _version, _build_info, _cache
   ops       jaxfuse.ops: primitives, lowering, kernels (never the pass)
   ir        jaxfuse.fusion.ir: the program as the pass reads it
   safety    jaxfuse.fusion.safety
@@ -89,7 +89,8 @@ def cycles(root: str = ROOT) -> list[list[str]]:
 
 
 LAYERS = {  # layer -> (module prefixes, layers it may import)
-    "base": (("jaxfuse._compat", "jaxfuse._reasons", "jaxfuse._version", "jaxfuse._build_info"),
+    "base": (("jaxfuse._compat", "jaxfuse._reasons", "jaxfuse._version", "jaxfuse._build_info",
+              "jaxfuse._cache"),
              ()),
     "ops": (("jaxfuse.ops",), ("base",)),
     "ir": (("jaxfuse.fusion.ir",), ("base",)),

@@ -155,7 +155,9 @@ def main(argv=None) -> int:
             raise UsageError(f"--hops must be 0 or more, got {args.hops}")
         fun = load_function(args.function)
         call_args, call_kwargs = bind(fun, parse_shapes(args.shapes))
-        report = jaxfuse.explain(fun, *call_args, policy=args.policy, platform=args.platform,
+        # the function's own arguments may bear an option's name: the options go apart
+        report = jaxfuse.explain(fun, *call_args, options={"policy": args.policy,
+                                                           "platform": args.platform},
                                  **call_kwargs)
         print(report)
         if args.out:

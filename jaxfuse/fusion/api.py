@@ -338,9 +338,12 @@ def _same(held, fun) -> bool:
 
 
 # ------------------------------------------------------------------ explain
-def explain(fun: Callable, *args, policy: str | None = None, platform: str | None = None,
-            memory: bool | str = False, patterns=None, exact: bool | None = None,
-            **kwargs) -> Report:
+_UNSET = object()
+EXPLAIN_OPTIONS = ("policy", "platform", "memory", "patterns", "exact")
+
+
+def explain(fun: Callable, *args, policy=_UNSET, platform=_UNSET, memory=_UNSET, patterns=_UNSET,
+            exact=_UNSET, options: dict | None = None, **kwargs) -> Report:
     """Which sites of `fun(*args, **kwargs)` `optimize` fuses, and why not the rest.
 
     Arguments may be arrays, Python scalars or `jax.ShapeDtypeStruct`s; other
@@ -362,7 +365,27 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
     also gives, per fused call, the peak bytes it saves or costs in a call
     (`report.memory["calls"]`, `memory.CallBytes`): the program compiled with
     that call given back to XLA's ops, against as it is (one compile per call).
+
+    A keyword naming one of these options that is also a parameter of the
+    explained function is the function's argument (`explain(f, x,
+    policy=0.5)` for `def f(x, policy)`); give explain's own option through
+    `options={"policy": "always"}` then.
     """
+    given = {"policy": policy, "platform": platform, "memory": memory, "patterns": patterns,
+             "exact": exact}
+    own = _parameter_names(fun)
+    for name, value in list(given.items()):
+        if value is not _UNSET and name in own:
+            kwargs[name] = value  # the explained function's own argument
+            given[name] = _UNSET
+    unknown = sorted(set(options or {}) - set(EXPLAIN_OPTIONS))
+    if unknown:
+        raise TypeError(f"jaxfuse.explain: options takes {', '.join(EXPLAIN_OPTIONS)}; got "
+                        f"{', '.join(map(repr, unknown))}")
+    given.update(options or {})
+    policy, platform, patterns, exact = (None if given[k] is _UNSET else given[k]
+                                         for k in ("policy", "platform", "patterns", "exact"))
+    memory = False if given["memory"] is _UNSET else given["memory"]
     if memory not in (False, True, "calls"):
         raise ValueError(f"jaxfuse.explain: memory must be False, True or 'calls', got {memory!r}")
     _check_callable(fun)
@@ -399,6 +422,20 @@ def explain(fun: Callable, *args, policy: str | None = None, platform: str | Non
         if memory == "calls":
             report.memory["calls"] = _memory.per_call(report.jaxpr)
     return report
+
+
+def _parameter_names(fun) -> frozenset:
+    """The names of the explained function's parameters (the function an
+    optimized or jitted one wraps); empty where its signature cannot be read
+    or it takes **kwargs (every name could be its)."""
+    info = _info(fun)
+    target = info.fun if info is not None else getattr(fun, "__wrapped__", fun)
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in params if p.kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                              inspect.Parameter.VAR_KEYWORD))
 
 
 def _is_jitted(fun) -> bool:

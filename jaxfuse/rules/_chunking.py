@@ -434,8 +434,7 @@ def analyse(graph, head) -> Plan:
             axes.union((id(a), i), (id(b), j))
         return True
 
-    add(head)
-    vocab_cls = None  # its root moves as links are made: `wide` and `_plan` look it up
+    add(head)  # (the vocabulary class's root moves as links are made: `wide` and `_plan` read it)
 
     def vocab_wide(v):
         return wide(axes, Z, v)
@@ -581,7 +580,7 @@ def analyse(graph, head) -> Plan:
             dead[id(e)] = e
             region_vars.update(id(v) for v in e.outvars)
 
-    return _plan(graph, head, Z, axes, vocab_cls, dims_of, core, glue, moved_pre, dead,
+    return _plan(graph, head, Z, axes, dims_of, core, glue, moved_pre, dead,
                  position, live, vocab)
 
 
@@ -626,10 +625,10 @@ def _producer_name(graph, v) -> str:
     return p.primitive.name if p is not None else "argument"
 
 
-def _plan(graph, head, Z, axes, vocab_cls, dims_of, core, glue, pre, dead, position, live,
+def _plan(graph, head, Z, axes, dims_of, core, glue, pre, dead, position, live,
           vocab) -> Plan:
     zshape = _shape(Z)
-    vocab_cls = axes.cls(Z, len(zshape) - 1)  # the root now that every link is made
+    vocab_cls = axes.cls(Z, len(zshape) - 1)  # the class's root, now that every link is made
     token_dims = list(range(len(zshape) - 1))
     # the chunk axis: the largest token axis every equation can be chunked along
     order = sorted(token_dims, key=lambda d: -zshape[d])

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat as C
+from .._cache import BoundedCache
 from .._reasons import Reason, ReasonKind
 from ..fusion.ir import xla
 from ..fusion.ir.canonical import contraction, evaluate
@@ -1011,20 +1012,13 @@ def _plan_key(plan: _Plan, avals) -> tuple:
             tuple((tuple(a.shape), np.dtype(a.dtype).name) for a in avals), target_platform())
 
 
-_TRACES: dict = {}
-_MAX_TRACES = 256
+_TRACES = BoundedCache(256)  # traced replacements, per plan and platform
 
 
 def _traced(plan: _Plan):
     avals = tuple(jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype) for a in plan.operands)
-    key = _plan_key(plan, avals)
-    found = _TRACES.get(key)
-    if found is None:
-        found = jax.make_jaxpr(jax.jit(_replacement(plan)))(*avals)
-        if len(_TRACES) >= _MAX_TRACES:
-            _TRACES.pop(next(iter(_TRACES)))
-        _TRACES[key] = found
-    return found
+    return _TRACES.get(_plan_key(plan, avals),
+                       lambda: jax.make_jaxpr(jax.jit(_replacement(plan)))(*avals))
 
 
 # ------------------------------------------------------------------ pattern

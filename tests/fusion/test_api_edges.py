@@ -393,3 +393,19 @@ def test_a_method_of_an_object_without_weak_references_optimizes():
 
     layer, x = Layer(2.0), jnp.linspace(-1.0, 1.0, 8)
     np.testing.assert_array_equal(jaxfuse.optimize(layer.apply)(x, x), jax.jit(layer.apply)(x, x))
+
+
+def test_explain_a_function_with_a_keyword_named_like_an_option():
+    """A user function with a `policy` parameter: `policy=` is its argument;
+    explain's own policy goes through `options` (issue 56)."""
+    def f(x, policy=1.0):
+        return jax.nn.relu(x * policy + 1.0)
+
+    x = jnp.ones((64, 1024), jnp.float32)
+    report = jaxfuse.explain(f, x, policy=0.5, options={"policy": "always"})
+    assert report.policy == "always"
+    assert len(report.traced.jaxpr.invars) == 2  # x and the function's own policy
+    with pytest.raises(TypeError, match="options takes"):
+        jaxfuse.explain(f, x, options={"polciy": "always"})
+    # without such a parameter, `policy=` is explain's
+    assert jaxfuse.explain(lambda x: jax.nn.relu(x + 1.0), x, policy="always").policy == "always"

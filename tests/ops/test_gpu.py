@@ -92,7 +92,7 @@ def test_grad_on_gpu(rng, grad_at_zero, spelled):
     b = -x[0]  # exact ties in the first row
     got = jax.jit(jax.grad(lambda x, b: jnp.sum(jaxfuse.add_relu(x, b, grad_at_zero=grad_at_zero) * x), (0, 1)))(x, b)
     want = jax.jit(jax.grad(lambda x, b: jnp.sum(spelled(x + b) * x), (0, 1)))(x, b)
-    for g, r in zip(got, want):
+    for g, r in zip(got, want, strict=False):
         assert_bitwise_equal(g, r)
 
 
@@ -186,7 +186,7 @@ def test_tie_mask_and_training_gradients_gpu(rng):
         loss = lambda x, b: jnp.sum(relu(x + b) @ x.T)  # noqa: E731
         g = jax.grad(loss, (0, 1))
         got, want = fuse(g)(x, b), jax.jit(g)(x, b)
-        for u, v in zip(got, want):
+        for u, v in zip(got, want, strict=False):
             np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
 
 

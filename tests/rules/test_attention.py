@@ -37,7 +37,7 @@ def replaced(fun, *args) -> list[str]:
 
 
 def close(got, want, tol=2e-5):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=False):
         np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64),
                                    rtol=tol, atol=tol)
 

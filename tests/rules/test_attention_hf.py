@@ -41,7 +41,7 @@ def close(got, want, tol):
     size of the others' rounding in both programs."""
     got, want = jax.tree.leaves(got), jax.tree.leaves(want)
     scale = max([float(np.max(np.abs(np.asarray(w, np.float64)))) for w in want if np.size(w)] + [1e-30])
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=False):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale)

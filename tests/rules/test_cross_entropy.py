@@ -37,7 +37,7 @@ def close(got, want, rtol=1e-4, floor=0.1):
     leaf's largest (an element near zero in a gradient)."""
     got, want = jax.tree.leaves(got), jax.tree.leaves(want)
     assert len(got) == len(want)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=False):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         scale = np.max(np.abs(w[np.isfinite(w)]), initial=0.0)
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * floor * scale, equal_nan=True)

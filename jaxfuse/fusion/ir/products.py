@@ -128,9 +128,3 @@ def _dot_is_a_product(eqn) -> bool:
     (lhs_contract, _), _ = eqn.params["dimension_numbers"]
     shape = eqn.invars[0].aval.shape
     return all(_is_one(shape[d]) for d in lhs_contract)
-
-
-def _dot_is_a_product(eqn) -> bool:
-    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-    shape = eqn.invars[0].aval.shape
-    return all(_is_one(shape[d]) for d in lhs_contract)

@@ -54,6 +54,7 @@ import numpy as np
 import jax
 
 from ... import _compat as C
+from ..._cache import BoundedCache
 from ..._reasons import Reason
 from ..ir import xla
 from ..ir.canonical import RESPELLED, SPELLED_AS, CanonicalView, close_to_reciprocal, contraction
@@ -67,6 +68,7 @@ from .patterns import Match, Pattern
 _RULE_PARAMS = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "jvp", "fwd_jaxpr_thunk", "bwd",
                           "out_trees", "fwd", "num_consts"})
 _DEFAULT_EXAMPLE = jax.ShapeDtypeStruct((4, 4), np.float32)
+TEMPLATES_KEPT = 128  # per rule: traced templates and replacements
 
 
 class RuleError(TypeError):
@@ -501,7 +503,9 @@ class _Rule:
                  where: Callable | None, example_args, cost: Callable | None = None):
         self.patterns, self.replacement, self.name, self.where = patterns, replacement, name, where
         self.cost_fn = cost
-        self._templates: dict = {}
+        # traced templates and replacements, per signature and platform: bounded
+        # (a long-lived rule meets many shapes) and safe to fill from two threads
+        self._templates = BoundedCache(TEMPLATES_KEPT)
         arity = {_arity(p) for p in patterns} | {_arity(replacement)}
         arity.discard(None)
         if len(arity) > 1:
@@ -540,27 +544,22 @@ class _Rule:
             self.check_replacement(self.examples, template.out_avals)
 
     def template(self, k, avals) -> _Template:
-        key = (k, _signature(avals))
-        found = self._templates.get(key)
-        if found is None:
-            found = self._templates[key] = _trace(self.patterns[k], avals)
-        return found
+        return self._templates.get((k, _signature(avals)), lambda: _trace(self.patterns[k], avals))
 
     def replacement_call(self, avals):
         # Per platform too: a replacement may choose its implementation by
         # `jaxfuse.target_platform()` (the attention rules pick cuDNN on a GPU).
         key = ("replacement", target_platform(), _signature(avals))
-        found = self._templates.get(key)
-        if found is None:
+
+        def trace():
             # A fresh function per miss: jax caches a jit's trace by function,
             # and would hand back another platform's trace of the same one.
             def call(*args):
                 return self.replacement(*args)
 
-            named = jax.jit(functools.update_wrapper(call, self.replacement))
-            closed = jax.make_jaxpr(named)(*avals)
-            found = self._templates[key] = closed
-        return found
+            return jax.make_jaxpr(jax.jit(functools.update_wrapper(call, self.replacement)))(*avals)
+
+        return self._templates.get(key, trace)
 
     def check_replacement(self, avals, pattern_out):
         closed = self.replacement_call(avals)

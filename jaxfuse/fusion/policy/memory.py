@@ -49,6 +49,12 @@ from .cost import apply
 from .plan import Plan, rule_key
 
 
+# What compiling a program alone can raise: constants of an enclosing trace
+# (jax's tracer errors are TypeErrors), a shape or sharding it cannot take
+# (ValueError), XLA's own errors (JaxRuntimeError is a RuntimeError). A bug of
+# ours is none of these, and is not turned into a decline.
+COMPILE_ERRORS = (TypeError, ValueError, RuntimeError)
+
 HOLDS_MORE = ReasonKind(
     "holds-more",
     "fused, a call of the program would peak at {peak}, {extra} above jax.jit's {jit_peak} "
@@ -251,7 +257,7 @@ def settle(closed, patterns, plan: Plan, walked, *, origin=None, tuner=None, sha
             key.update(decision="peak and moved bytes", shardings=[str(x) for x in sharded])
         found = _stored(cache, key, lambda: _measure({"xla": closed, "auto": walked.jaxpr},
                                                      sharded))
-    except Exception as e:  # noqa: BLE001 - e.g. constants of an enclosing trace: cannot compile alone
+    except COMPILE_ERRORS as e:
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
         lean_plan = plan.declining(adding, UNCOMPARED(error=why))
         return lean_plan, _paced(apply(closed, patterns, lean_plan, origin))
@@ -327,7 +333,7 @@ def holds_no_more(closed, new, patterns=(), tuner=None) -> bool:
         key = {**tuning.decision_key(closed, {"xla": closed, "new": new}, patterns),
                "decision": "peak bytes, whole"}
         peaks = _stored(cache, key, lambda: {"xla": peak_bytes(closed), "new": peak_bytes(new)})
-    except Exception:  # noqa: BLE001 - e.g. constants of an enclosing trace: cannot compile alone
+    except COMPILE_ERRORS:
         return False
     return hlo_memory.within(peaks["new"], peaks["xla"])
 

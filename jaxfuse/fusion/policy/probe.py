@@ -151,7 +151,7 @@ def _stored_library_fused(closed, new, patterns, cache) -> set[int]:
     be made (constants of an enclosing trace)."""
     try:
         key = {**tuning.decision_key(closed, {"probed": new}, patterns), "decision": "library fused"}
-    except Exception:  # noqa: BLE001 - no key, no storing
+    except TypeError:  # constants of an enclosing trace have no value to key on: no storing
         return library_fused(new)
     entry = cache.entry(key)
     if entry is not None and isinstance(entry.get("library_fused"), list):

@@ -125,6 +125,10 @@ class TuningCache:
             os.replace(tmp, target)
         except OSError as e:
             # The decision still holds for this process; only persisting failed.
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass  # never written, or already gone
             self._unwritten[target] = entry
             C.warn_at_user_line(f"jaxfuse: cannot write the tuning cache at {self.path!r} "
                                 f"({e}); set JAXFUSE_CACHE_DIR to a writable directory")
@@ -560,9 +564,11 @@ def stored_choice(closed, candidates: dict, patterns, tuner: Autotuner) -> str |
 
 
 def _figures(compiled) -> dict | None:
+    """The compiled program's memory, or None where the backend does not
+    report it (it raises there): such a candidate is then not timed (`_time`)."""
     try:
         return hlo_memory.figures_of(compiled)
-    except Exception:  # noqa: BLE001 - a backend that does not report memory: not filtered
+    except (NotImplementedError, AttributeError, RuntimeError, ValueError):
         return None
 
 
@@ -583,9 +589,12 @@ def _time(tuner: Autotuner, distinct: dict, closed, order_seed: str, limit: floa
             if fig is not None:
                 remember_figures(distinct[name], fig)
     peaks = {name: (fig or {}).get("peak") for name, fig in figures.items()}
-    if peaks.get(baseline) is not None:
-        compiled = {name: fn for name, fn in compiled.items() if name == baseline
-                    or peaks[name] is None or hlo_memory.within(peaks[name], peaks[baseline])}
+    # The memory promise: a candidate is timed only where its peak is known to
+    # be within the baseline's and the slack; an unknown peak (its own or the
+    # baseline's) keeps it out.
+    compiled = {name: fn for name, fn in compiled.items() if name == baseline or (
+        peaks[name] is not None and peaks.get(baseline) is not None
+        and hlo_memory.within(peaks[name], peaks[baseline]))}
     # Warm-up (allocation, first touch), waited for by polling: a program that
     # never ends on this data shows here, and a thread left blocked inside
     # jax's own wait would abort the process at exit.

@@ -24,7 +24,7 @@ def calls_of(fun, *args, name):
 
 
 def close(got, want, tol=1e-5):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=False):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol * max(1.0, float(np.max(np.abs(w)))))
 

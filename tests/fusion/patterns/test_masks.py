@@ -43,7 +43,7 @@ def test_every_mask_equals_jits_on_special_values(rng, dtype):
         assert len(report.fused) == 1, str(report)
         got = jaxfuse.optimize(every_mask, policy="always")(a, b)
         want = jax.jit(every_mask)(a, b)
-        for k, (g, w) in enumerate(zip(got, want)):
+        for k, (g, w) in enumerate(zip(got, want, strict=False)):
             g, w = np.asarray(g), np.asarray(w)
             if k == 0:
                 assert np.array_equal(np.isnan(g.astype(np.float64)), np.isnan(w.astype(np.float64)))

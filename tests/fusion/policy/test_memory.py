@@ -347,3 +347,20 @@ def test_explain_names_a_bad_memory_argument(rng):
     step, args = _one_layer_grad(rng)
     with pytest.raises(ValueError, match="memory must be False, True or 'calls', got 'sites'"):
         jaxfuse.explain(step, *args, memory="sites")
+
+
+def test_a_bug_in_the_memory_check_is_raised_not_declined(monkeypatch):
+    """Only what compiling a program alone can raise (a tracer constant, XLA's
+    own errors) declines its sites as not compared; a bug is raised (issue 56:
+    `except Exception` turned it into a silent decline)."""
+    from jaxfuse.fusion.tuning import autotuner
+
+    r = jaxfuse.rule(lambda x: jnp.tanh(x) * 2.0, lambda x: 2.0 * jnp.tanh(x), name="tanh2")
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(autotuner, "decision_key", broken)
+    x = jnp.ones((64, 64), jnp.float32)
+    with pytest.raises(KeyError, match="a bug"):
+        jaxfuse.explain(lambda x: jnp.tanh(x) * 2.0 + 1.0, x, patterns=[r])

@@ -169,7 +169,7 @@ def test_the_gradient_of_a_paced_site_matches_jit(rng):
     loss = lambda a, b: jnp.sum(jax.nn.relu(a + b) * 1.5)  # noqa: E731
     g_ref = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)
     g = jax.jit(jax.grad(jaxfuse.optimize(loss, policy="always"), argnums=(0, 1)))(a, b)
-    for x, y in zip(g, g_ref):
+    for x, y in zip(g, g_ref, strict=False):
         assert_bitwise_equal(x, y)
 
 

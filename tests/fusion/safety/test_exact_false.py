@@ -45,7 +45,7 @@ def _reference(fun, *args):
 def _error(got, ref) -> float:
     g = jax.tree_util.tree_leaves(got)
     r = jax.tree_util.tree_leaves(ref)
-    num = sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2)) for a, b in zip(g, r))
+    num = sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2)) for a, b in zip(g, r, strict=False))
     den = sum(float(np.sum(np.asarray(b) ** 2)) for b in r)
     return (num / den) ** 0.5
 

@@ -294,3 +294,38 @@ def test_a_tuner_keeps_only_its_latest_decisions_and_skips():
     assert len(t.skipped) == len(t.log) == tuning._KEPT
     assert t.skipped[0] == 10 and t.skipped[-1] == tuning._KEPT + 9
     assert isinstance(t.skipped, list) and t.log[-1][0] == tuning._KEPT + 9
+
+
+def test_a_candidate_whose_peak_cannot_be_read_is_not_timed(tmp_path, args, monkeypatch):
+    """The memory promise under "measure": a candidate whose memory the
+    backend does not report is kept out, whatever its time (issue 56: it was
+    timed, and chosen where faster)."""
+    real = tuning._figures
+    unread = []
+
+    def figures(compiled):
+        if "jaxfuse" in compiled.as_text():  # the fused candidate
+            unread.append(1)
+            return None
+        return real(compiled)
+
+    monkeypatch.setattr(tuning, "_figures", figures)
+    t = tuner(tmp_path, {"xla": 2.0, "always": 1.0, "auto": 3.0})
+    opt = jaxfuse.optimize(program, policy="measure", autotuner=t)
+    assert fused_count(jax.make_jaxpr(opt)(*args)) == 0
+    assert unread and "always" not in t.timer.calls
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """TuningCache.put writes a temporary file then renames it: where the
+    rename fails, the temporary file is removed (issue 56)."""
+    cache = tuning.cache(str(tmp_path / "tuning"))
+
+    def refuse(src, dst):
+        raise OSError("refused")
+
+    monkeypatch.setattr(tuning.os, "replace", refuse)
+    with pytest.warns(RuntimeWarning, match="cannot write the tuning cache"):
+        cache.put({"k": 1}, "xla", {})
+    assert [n for n in os.listdir(tmp_path / "tuning") if n.endswith(".tmp")] == []
+    assert cache.entry({"k": 1}) is not None  # the decision still holds for this process
