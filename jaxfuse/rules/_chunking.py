@@ -62,6 +62,7 @@ from jax import lax
 
 from .. import _compat as C
 from .._reasons import ReasonKind
+from ..fusion.ir import xla
 
 # ------------------------------------------------------------------ reasons
 NOT_A_HEAD = ReasonKind("xent-not-head", "{text}")
@@ -101,18 +102,10 @@ MAX_STAGES = 3
 # as they are on one device's shards.
 LAYOUT_ONLY = frozenset({"reshard", "sharding_constraint", "mesh_cast"})
 # Primitives that compute each element from the elements at the same index
-# (operands of equal rank, size-1 dimensions broadcast).
-ELEMENTWISE = frozenset({
-    "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign",
-    "floor", "ceil", "round", "is_finite", "exp", "exp2", "log", "log1p", "expm1", "tanh",
-    "logistic", "sin", "cos", "tan", "abs", "sqrt", "rsqrt", "cbrt", "integer_pow", "square",
-    "select_n", "clamp", "convert_element_type", "eq", "ne", "lt", "le", "gt", "ge", "and",
-    "or", "not", "xor", "stop_gradient", "copy", "copy_p", "nextafter", "erf", "erfc",
-    "erf_inv", "lgamma", "digamma", "atan2", "reduce_precision", "shift_left",
-    "shift_right_logical", "shift_right_arithmetic", "population_count", "imag", "real",
-    "conj", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "pvary",
-    *LAYOUT_ONLY,
-})
+# (operands of equal rank, size-1 dimensions broadcast): XLA's elementwise
+# ones (fusion/ir/xla.py, their one home), and those that only stop a
+# gradient, copy or lay out a value.
+ELEMENTWISE = xla.ELEMENTWISE | frozenset({"stop_gradient", "copy_p", "pvary", *LAYOUT_ONLY})
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                         "reduce_or", "reduce_xor", "argmax", "argmin"})
 CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})

@@ -237,6 +237,10 @@ SPELLINGS = {
         jax.nn.one_hot(y, lg.shape[-1]) * jax.nn.log_softmax(lg)) / y.size,
     "smoothed_labels": lambda lg, y: optax.softmax_cross_entropy(
         lg, optax.smooth_labels(jax.nn.one_hot(y, lg.shape[-1]), 0.1)).mean(),
+    # Gemma 2's final soft cap: its gradient's `one_minus_square` (jax 0.12.1's
+    # tanh derivative) is elementwise like any other
+    "soft_capped": lambda lg, y: optax.softmax_cross_entropy_with_integer_labels(
+        30.0 * jnp.tanh(lg / 30.0), y).mean(),
     "z_loss_and_accuracy": lambda lg, y: (
         optax.softmax_cross_entropy_with_integer_labels(lg, y).mean()
         + 1e-4 * jnp.mean(jax.nn.logsumexp(lg, -1) ** 2),

@@ -46,10 +46,12 @@ FUSIBLE = frozenset({
     "not", "xor", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
     "dynamic_slice", "pad", "concatenate", "rev", "gather", "iota", "copy", "reduce_precision",
     "add_any", "pvary", "real", "imag", "conj", "population_count", "shift_left",
-    "shift_right_logical", "shift_right_arithmetic",
+    "shift_right_logical", "shift_right_arithmetic", "one_minus_square", "lgamma", "digamma",
+    "clz",
 })
 """Equations XLA fuses into the loop that reads their result, so their result
-is never in memory in XLA's own program."""
+is never in memory in XLA's own program. (`one_minus_square`: `1 - x * x`,
+tanh's derivative from jax 0.12.1.)"""
 
 ELEMENTWISE = FUSIBLE - frozenset({
     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
