@@ -176,6 +176,7 @@ class _Plan:
     optional: tuple             # equations it absorbs where nothing else reads them
     form: str
     details: str
+    zero_masked_rows: bool = False  # re-masked after the softmax: a row masked whole is 0
 
     @property
     def operands(self) -> tuple:
@@ -404,6 +405,7 @@ class _Analysis:
         self.core: list = []
         self.optional: list = []
         self.fills: list = []   # (effective fill, dtype, equation) of every mask found
+        self.remasks: list = []  # (predicate, negate) of `where(mask, weights, 0)` after the softmax
 
     def single_use(self, atom) -> bool:
         return self.graph.uses(atom) == 1
@@ -492,8 +494,12 @@ class _Analysis:
                 self.miss(DTYPE(why=f"the {name} are {have.name}, wider than the weights' "
                                     f"{dtype.name}: jax.nn would compute them in {dtype.name}"))
         # ---- masks: the constant part as is_causal / a window where it is exactly that
+        self._roles, self._shape = logit_roles, tuple(x.aval.shape)
+        all_masks = list(masks)
         causal, window, masks = self.constant_masks(masks, logit_roles, tuple(x.aval.shape))
         self.check_fills(masks, causal, window, logit_roles, tuple(x.aval.shape))
+        zero_rows = self.remask_is_the_mask([t for t in all_masks if t.value is None], causal,
+                                            window, len(self._shape))
         # ---- jax.nn's heads axis: the grouped one, else one the bias and masks broadcast over
         heads_role = k_side.group_role
         if heads_role is None and batch_roles:
@@ -504,10 +510,12 @@ class _Analysis:
                                   window, k_side)
         for s in (q_side, k_side, v_side):
             self.optional.extend(s.walked)
+        if zero_rows:
+            details = ", ".join(filter(None, (details, "re-masked after the softmax")))
         return _Plan(q_side, k_side, v_side, logit_roles, tuple(x.aval.shape), out_roles,
                      np.dtype(self.root.outvars[0].aval.dtype), dtype, float(scale), tuple(terms),
                      tuple(masks), causal, window, heads_role, tuple(self.core),
-                     tuple(self.optional), form, details)
+                     tuple(self.optional), form, details, zero_rows)
 
     # ------------------------------------------------------------ weights
     def weights(self, atom):
@@ -547,12 +555,54 @@ class _Analysis:
                 self.core.append(e)
                 self.constant_eqns(e.invars[1 - e.invars.index(inner)])
                 cur = inner
+            elif name == "select_n" and len(e.invars) == 3 and self._zero_branch(e) is not None \
+                    and axes == list(range(len(axes))):
+                # where(mask, softmax, 0), Keras's Softmax layer: the weights the mask
+                # dropped are 0 already, unless it drops a whole row (checked in run())
+                keep, negate = self._zero_branch(e)
+                self.core.append(e)
+                self.constant_eqns(e.invars[1 + (1 - keep)])
+                self.remasks.append((e.invars[0], negate, e))
+                cur = e.invars[1 + keep]
             elif name in ("mul", "dot_general"):
                 self.miss(STEP(culprit=name, where=_WEIGHTS,
                                why="the weights are scaled by something other than ones "
                                    "(a head mask or dropout)"), e)
             else:
                 self.miss(STEP(culprit=name, where=_WEIGHTS, why="not a step attention takes"), e)
+
+    def _zero_branch(self, eqn):
+        """(index of the kept branch among select_n's cases, negate) where one
+        case is a constant 0: select_n(p, 0, w) keeps w where p, select_n(p, w, 0)
+        where not p."""
+        p, if_false, if_true = eqn.invars
+        for keep, zero, negate in ((1, if_false, False), (0, if_true, True)):
+            value = self.graph.const_value(zero)
+            if value is not None and _scalar(value) == 0.0 and p.aval.dtype == np.bool_:
+                return keep, negate
+        return None
+
+    def remask_is_the_mask(self, masks, causal, window, rank):
+        """Whether every re-mask after the softmax is the logits' own mask: the
+        same factors (the constant ones as is_causal or a window included)."""
+        if not self.remasks:
+            return False
+        own = {(id(t.atom), t.negate) for t in masks}
+        for p, negate, e in self.remasks:
+            found: list = []
+            self.split_factors(p, negate, found, lambda view: view, rank)
+            consts = [t for t in found if t.value is not None]
+            if {(id(t.atom), t.negate) for t in found if t.value is None} != own:
+                self.miss(STEP(culprit="select_n", where=_WEIGHTS,
+                               why="the weights are masked again by another mask than the "
+                                   "logits'"), e)
+            if consts:
+                c, w, _ = self.constant_masks(consts, self._roles, self._shape)
+                if (c, w) != (causal, window):
+                    self.miss(STEP(culprit="select_n", where=_WEIGHTS,
+                                   why="the weights are masked again by another constant mask "
+                                       "than the logits'"), e)
+        return True
 
     def _ones(self, eqn):
         """The operand index of a constant all-ones factor of a same-shape `mul`."""
@@ -986,6 +1036,11 @@ def _replacement(plan: _Plan):
         out = jax.nn.dot_product_attention(q4, k4, v4, bias=bias, mask=mask, scale=plan.scale,
                                            is_causal=plan.causal, local_window_size=window,
                                            implementation=impl)
+        if plan.zero_masked_rows:
+            # the program masked the weights again: a query whose keys are all masked
+            # gets 0 there, where jax.nn averages the values
+            out = out * _rows_kept(mask, plan.causal, window, q4.shape[1], k4.shape[1],
+                                   out.dtype)
         shape = tuple(sizes[r] for r in others) + (sizes["T"],)
         roles = [*others, "T"]
         if heads is not None:
@@ -1000,6 +1055,20 @@ def _replacement(plan: _Plan):
     return attention
 
 
+def _rows_kept(mask, causal: bool, window, t: int, s: int, dtype):
+    """[B or 1, T, N or 1, 1]: 1 where a query keeps some key under the mask
+    (B, N or 1, T, S), `is_causal` and the window as jax.nn reads them, else 0."""
+    keep = jnp.ones((1, 1, t, s), bool) if mask is None else mask
+    rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+    if causal:
+        keep = keep & (cols <= rows)
+    if window is not None:
+        left, right = window
+        keep = keep & (cols >= rows - left) & (cols <= rows + right)
+    kept = jnp.any(keep, axis=-1)  # (B, N, T)
+    return jnp.transpose(kept, (0, 2, 1))[..., None].astype(dtype)
+
+
 def _plan_key(plan: _Plan, avals) -> tuple:
     """What the replacement's trace depends on (not the program's atoms)."""
     def side(s):
@@ -1008,7 +1077,8 @@ def _plan_key(plan: _Plan, avals) -> tuple:
     return (repr(plan.logit_roles), plan.logit_shape, repr(plan.out_roles), plan.out_dtype.name,
             plan.dtype.name, plan.scale, tuple((t.view, t.coefficient) for t in plan.bias),
             tuple((t.view, t.negate) for t in plan.masks), plan.causal, plan.window,
-            repr(plan.heads_role), plan.form, side(plan.q), side(plan.k), side(plan.v),
+            repr(plan.heads_role), plan.form, plan.zero_masked_rows, side(plan.q), side(plan.k),
+            side(plan.v),
             tuple((tuple(a.shape), np.dtype(a.dtype).name) for a in avals), target_platform())
 
 

@@ -383,3 +383,43 @@ def test_a_train_step_rewrites_forward_and_backward(rng, remat):
     for g, w in zip(jax.tree.leaves(gg), jax.tree.leaves(wg), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4,
                                    atol=1e-4 * float(np.max(np.abs(np.asarray(w)))))
+
+
+def _keras_style(q, k, v, mask):
+    # keras-hub's Gemma: the logits masked, then Keras's Softmax layer masks its
+    # output again with the same mask (a no-op but on rows masked whole)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.float32(np.sqrt(q.shape[-1]))
+    s = jnp.where(mask, s, jnp.finfo(s.dtype).min)
+    p = jnp.where(mask, jax.nn.softmax(s, axis=-1), 0.0)
+    return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_remask_after_the_softmax_is_read_through(rng, causal):
+    """`where(mask, softmax(where(mask, s, min)), 0)`: the same mask twice.
+    Rewritten; a query whose keys are all masked gets 0 there, as the program
+    gives (jax.nn alone would average the values); forward and gradient."""
+    b, t, n, h = 2, 16, 2, 8
+    q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32) for _ in range(3))
+    pad = np.ones((b, t), bool)
+    pad[1, 10:] = False  # batch 1 pads its last 6 tokens
+    keep = pad[:, None, None, :] & pad[:, None, :, None]  # padded queries see nothing
+    if causal:
+        keep = keep & np.tril(np.ones((t, t), bool))
+    mask = jnp.asarray(keep)
+
+    def f(q, k, v):
+        return _keras_style(q, k, v, mask)
+
+    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
+               if s.pattern == "attention"]
+    assert site.fused and "re-masked after the softmax" in site.spelling, site
+    opt = jaxfuse.optimize(f, patterns=rules(), policy="always")
+    want = jax.jit(f)(q, k, v)
+    assert float(jnp.max(jnp.abs(want[1, 10:]))) == 0.0  # the rows masked whole
+    np.testing.assert_allclose(np.asarray(opt(q, k, v)), np.asarray(want), rtol=1e-5, atol=1e-5)
+    loss = lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
+    got = jax.grad(jaxfuse.optimize(loss, patterns=rules(), policy="always"), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, ref, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
