@@ -90,7 +90,8 @@ def region(m: Match, graph) -> tuple:
             continue
         whole = None
         for g in graph.calls_around(e):
-            if all(id(x) in inside for x in g.eqns):
+            # (constants of its body the match leaves to the program do not count)
+            if all(id(x) in inside or id(x) in g.constants for x in g.eqns):
                 whole = g
                 break
         if whole is not None:
