@@ -26,7 +26,10 @@ in one canonical form:
     lower-triangular one becomes `is_causal=True`, a band `local_window_size`;
   * keys and values repeated over heads (`jnp.repeat`, grouped and
     multi-query attention) as jax.nn's native key/value heads;
-  * widening casts (the softmax in float32 at 16 bits) looked through.
+  * widening casts (the softmax in float32 at 16 bits) looked through;
+  * the softmax's output masked again by the logits' own mask (Keras's
+    `Softmax` layer: `where(mask, p, 0)`), read through: a query whose keys
+    are all masked gets 0 there, as in the program.
 
 Where a softmax sits between two contractions and a step differs, the site is
 declined with that step named (`explain` shows it). Under `policy="auto"` each
