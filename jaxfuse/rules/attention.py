@@ -29,7 +29,10 @@ in one canonical form:
   * widening casts (the softmax in float32 at 16 bits) looked through;
   * the softmax's output masked again by the logits' own mask (Keras's
     `Softmax` layer: `where(mask, p, 0)`), read through: a query whose keys
-    are all masked gets 0 there, as in the program.
+    are all masked gets 0 there, as in the program;
+  * the normalization after the values' contraction, `(exp(s - max) . v) /
+    sum(exp(s - max))` in any layout of the sum (MaxText's `dot_product`
+    attention): the division is the site.
 
 Where a softmax sits between two contractions and a step differs, the site is
 declined with that step named (`explain` shows it). Under `policy="auto"` each
@@ -180,6 +183,8 @@ class _Plan:
     form: str
     details: str
     zero_masked_rows: bool = False  # re-masked after the softmax: a row masked whole is 0
+    post: tuple = ()            # normalized after the values' contraction: the layout steps
+    result_dtype: object = None  # from it to the division, and the division's dtype
 
     @property
     def operands(self) -> tuple:
@@ -293,7 +298,13 @@ def softmax_of(atom, graph: Graph) -> _Softmax | None:
     eqns = [div, exp, red, *passed, *widened]
     if len(axes) != 1:
         raise _Miss(SOFTMAX(why=f"runs over {len(axes)} axes at once"), eqns)
-    axis = int(axes[0])
+    x, more = _max_subtracted(exp, axes, graph, eqns)
+    return _Softmax(x, int(axes[0]), tuple(eqns + more), x.aval.dtype)
+
+
+def _max_subtracted(exp, axes, graph: Graph, eqns) -> tuple:
+    """(x, the equations) of `exp(x - max(x))`, the maximum over `axes` with
+    keepdims in any spelling; raises `_Miss` where `exp` reads anything else."""
     sub = graph.producer(exp.invars[0])
     if sub is None or sub.primitive.name != "sub":
         raise _Miss(SOFTMAX(why="subtracts no maximum before `exp` (it may overflow where "
@@ -302,17 +313,36 @@ def softmax_of(atom, graph: Graph) -> _Softmax | None:
     top, passed = _through(m, graph, _KEEPDIMS)
     mx = graph.producer(top)
     if mx is None or mx.primitive.name != "reduce_max" or mx.invars[0] is not x \
-            or tuple(mx.params["axes"]) != axes:
+            or (axes is not None and tuple(mx.params["axes"]) != tuple(axes)):
         raise _Miss(SOFTMAX(why="subtracts something other than the maximum of its input"),
-                    eqns + [sub])
-    eqns += [sub, mx, *passed]
-    return _Softmax(x, axis, tuple(eqns), x.aval.dtype)
+                    [*eqns, sub])
+    return x, [sub, mx, *passed]
 
 
-def _softmax_nearby(atom, graph: Graph, depth: int = 8):
+def unnormalized_of(atom, graph: Graph) -> _Softmax | None:
+    """The softmax's numerator computing `atom`, `exp(x - max(x))` over one
+    axis, where the division by its sum comes after the values' contraction
+    (MaxText's `dot_product` path, flash-style attention): None if `atom` is
+    no `exp`, `_Miss` where the maximum differs."""
+    exp = graph.producer(atom) if C.is_var(atom) else None
+    if exp is None or exp.primitive.name != "exp":
+        return None
+    sub = graph.producer(exp.invars[0])
+    if sub is None or sub.primitive.name != "sub":
+        return None  # an exp of anything else is no softmax's numerator
+    x, more = _max_subtracted(exp, None, graph, [exp])
+    axes = tuple(more[1].params["axes"])
+    if len(axes) != 1:
+        raise _Miss(SOFTMAX(why=f"runs over {len(axes)} axes at once"), [exp, *more])
+    return _Softmax(x, int(axes[0]), (exp, *more), x.aval.dtype)
+
+
+def _softmax_nearby(atom, graph: Graph, depth: int = 8, find=None):
     """The atom of a softmax's result found within `depth` elementwise or
     layout steps above `atom`: whether this contraction reads attention
-    weights (a softmax between two contractions)."""
+    weights (a softmax between two contractions; `find`: `unnormalized_of`
+    where the normalization comes after the contraction)."""
+    find = find or softmax_of
     frontier, seen = [atom], set()
     for _ in range(depth):
         nxt = []
@@ -321,7 +351,7 @@ def _softmax_nearby(atom, graph: Graph, depth: int = 8):
                 continue
             seen.add(id(a))
             try:
-                if softmax_of(a, graph) is not None:
+                if find(a, graph) is not None:
                     return a
             except _Miss:
                 return a
@@ -403,8 +433,9 @@ class _Analysis:
     """Reads one attention from its values' contraction back; `run()` gives
     the `_Plan` or raises `_Miss` naming the step that differs."""
 
-    def __init__(self, root, graph: Graph):
-        self.root, self.graph = root, graph
+    def __init__(self, root, graph: Graph, deferred: bool = False):
+        self.root, self.graph, self.deferred = root, graph, deferred
+        self.softmax: _Softmax | None = None
         self.core: list = []
         self.optional: list = []
         self.fills: list = []   # (effective fill, dtype, equation) of every mask found
@@ -424,10 +455,12 @@ class _Analysis:
         g = self.graph
         c2 = contraction(self.root.outvars[0], g.producer, self.single_use)
         self.core += c2.eqns
-        which = next(i for i in (0, 1) if _softmax_nearby(c2.operands[i], g) is not None)
+        find = unnormalized_of if self.deferred else softmax_of
+        which = next(i for i in (0, 1) if _softmax_nearby(c2.operands[i], g, find=find) is not None)
         w_atom, v_atom = c2.operands[which], c2.operands[1 - which]
         w_labels, v_labels = c2.labels[which], c2.labels[1 - which]
         sm, w_axes = self.weights(w_atom)
+        self.softmax = sm
         self.core += sm.eqns
         x = sm.logits
         contracted = [i for i, lab in enumerate(w_labels) if lab[0] == "c"]
@@ -527,8 +560,9 @@ class _Analysis:
         g = self.graph
         axes = list(range(len(atom.aval.shape)))  # atom axis i is axis axes[i] of `cur`
         cur = atom
+        find = unnormalized_of if self.deferred else softmax_of
         while True:
-            sm = softmax_of(cur, g) if C.is_var(cur) else None
+            sm = find(cur, g) if C.is_var(cur) else None
             if sm is not None:
                 return sm, tuple(axes)
             e = g.producer(cur) if C.is_var(cur) else None
@@ -1051,8 +1085,10 @@ def _replacement(plan: _Plan):
             roles.append(heads)
         out = out.reshape(shape + (out.shape[-1],))
         roles.append("D")
-        out = jnp.transpose(out, [roles.index(r) for r in plan.out_roles])
-        return out.astype(plan.out_dtype)
+        out = jnp.transpose(out, [roles.index(r) for r in plan.out_roles]).astype(plan.out_dtype)
+        for e in plan.post:  # normalized after the contraction: its layout steps to the division
+            out = e.primitive.bind(out, **e.params)
+        return out if plan.result_dtype is None else out.astype(plan.result_dtype)
 
     attention.__name__ = attention.__qualname__ = plan.form
     return attention
@@ -1081,7 +1117,7 @@ def _plan_key(plan: _Plan, avals) -> tuple:
             plan.dtype.name, plan.scale, tuple((t.view, t.coefficient) for t in plan.bias),
             tuple((t.view, t.negate) for t in plan.masks), plan.causal, plan.window,
             repr(plan.heads_role), plan.form, plan.zero_masked_rows, side(plan.q), side(plan.k),
-            side(plan.v),
+            side(plan.v), side(_Side(None, plan.post, ())), repr(plan.result_dtype),
             tuple((tuple(a.shape), np.dtype(a.dtype).name) for a in avals), target_platform())
 
 
@@ -1124,8 +1160,11 @@ def _absorbed(plan: _Plan, graph: Graph) -> tuple:
 
 
 def match(eqn, graph: Graph):
-    """The attention whose values' contraction `eqn` ends: a `Match` (with the
-    reason in `info` where a step differs), or None where `eqn` ends none."""
+    """The attention whose values' contraction `eqn` ends (or, normalized
+    after it, whose division `eqn` is): a `Match` (with the reason in `info`
+    where a step differs), or None where `eqn` ends none."""
+    if eqn.primitive.name == "div":
+        return _match_deferred(eqn, graph)
     if eqn.primitive.name not in ("dot_general", "transpose") or _leads_to_transpose(eqn, graph):
         return None
     c2 = contraction(eqn.outvars[0], graph.producer, lambda a: graph.uses(a) == 1)
@@ -1146,6 +1185,137 @@ def match(eqn, graph: Graph):
     return Match(root=eqn, eqns=eqns, operands=plan.operands,
                  spelling=plan.form + (f" ({plan.details})" if plan.details else ""),
                  info={"plan": plan})
+
+
+# layout steps between the values' contraction and a division after it, and
+# from the sum of the numerators to that division
+_POST_VIEWS = frozenset({"transpose", "reshape", "copy", "convert_element_type", "squeeze"})
+
+
+def _match_deferred(div, graph: Graph):
+    """`(exp(x - max) . v) / sum(exp(x - max))` in any layout (MaxText's
+    `dot_product` attention, which normalizes after the contraction): the
+    division is the site, the softmax's normalization moved before the
+    contraction (equal up to rounding)."""
+    num, den = div.invars
+    post, cur = [], num
+    while C.is_var(cur):
+        e = graph.producer(cur)
+        if e is None or e.primitive.name not in _POST_VIEWS:
+            break
+        post.insert(0, e)
+        cur = e.invars[0]
+    # (values the region computes may have other readers: a train step's
+    # backward reads them, and the walker matches it with the forward)
+    dot = graph.producer(cur) if C.is_var(cur) else None
+    if dot is None or dot.primitive.name != "dot_general":
+        return None
+    if not any(_softmax_nearby(a, graph, find=unnormalized_of) is not None for a in dot.invars):
+        return None
+    if _in_jax_attention(dot):
+        return None
+    analysis = _Analysis(dot, graph, deferred=True)
+    try:
+        plan = analysis.run()
+        summed = _normalizer(analysis.softmax, plan, den, post, dot, graph)
+    except _Miss as miss:
+        eqns = tuple({id(e): e for e in (*miss.eqns, *post, div)}.values())
+        return Match(root=div, eqns=eqns, operands=tuple(dot.invars), spelling=NAME,
+                     info={"reason": miss.reason})
+    plan = dataclasses.replace(
+        plan, core=(*plan.core, *post, *summed, div), post=tuple(post),
+        result_dtype=np.dtype(div.outvars[0].aval.dtype),
+        details=", ".join(filter(None, (plan.details, "normalized after the values' contraction"))))
+    return Match(root=div, eqns=_absorbed(plan, graph), operands=plan.operands,
+                 spelling=plan.form + f" ({plan.details})", info={"plan": plan})
+
+
+def _labels(shape, roles) -> list:
+    """Each axis as the tuple of (role, size) it holds; () where its size is 1."""
+    return [((r, n),) if n != 1 else () for r, n in zip(roles, shape)]
+
+
+def _carry(labels: list, e):
+    """`labels` carried through the layout step `e` (None: an axis broadcast
+    over); raises ValueError where the step mixes axes other than by merging
+    or splitting whole ones."""
+    name, out_shape = e.primitive.name, tuple(e.outvars[0].aval.shape)
+    if name in ("convert_element_type", "copy"):
+        return labels
+    if name == "transpose":
+        return [labels[p] for p in e.params["permutation"]]
+    if name == "squeeze":
+        return [lab for i, lab in enumerate(labels) if i not in e.params["dimensions"]]
+    if name == "broadcast_in_dim":
+        in_shape, dims = tuple(e.invars[0].aval.shape), tuple(e.params["broadcast_dimensions"])
+        out = [() if n == 1 else None for n in out_shape]
+        for i, j in enumerate(dims):
+            if in_shape[i] == out_shape[j]:
+                out[j] = labels[i]
+        return out
+    if name == "reshape" and e.params.get("dimensions") is None:
+        if any(lab is None for lab in labels):
+            raise ValueError("reshapes an axis broadcast over")
+        atoms = [a for lab in labels for a in lab]
+        out = []
+        for n in out_shape:
+            taken, size = [], 1
+            while size < n and atoms:
+                taken.append(atoms.pop(0))
+                size *= taken[-1][1]
+            if size != n:
+                raise ValueError("splits an axis")
+            out.append(tuple(taken))
+        if atoms:
+            raise ValueError("drops an axis")
+        return out
+    raise ValueError(f"`{name}` is not a layout step")
+
+
+def _normalizer(sm: _Softmax, plan: _Plan, den, post, dot, graph: Graph) -> list:
+    """The equations computing `den` as the sum of the softmax's numerators
+    over its axis, laid out as the division by it needs: every axis of the
+    contraction's result but the values' own (`D`) holding the same rows.
+    Raises `_Miss` naming the step that differs."""
+    exp = sm.eqns[0]
+    chain, cur = [], den
+    while True:
+        e = graph.producer(cur) if C.is_var(cur) else None
+        if e is None:
+            raise _Miss(SOFTMAX(why="is divided after the values' contraction by something other "
+                                    "than the sum of its exponentials"), [exp])
+        if e.primitive.name == "reduce_sum":
+            break
+        if e.primitive.name not in _POST_VIEWS | {"broadcast_in_dim"} or len(e.invars) != 1:
+            raise _Miss(STEP(culprit=e.primitive.name, where="in the division after the values' "
+                             "contraction", why="not a step of the softmax's sum"), [exp, e])
+        chain.insert(0, e)
+        cur = e.invars[0]
+    summed, widened = _through(e.invars[0], graph, ("convert_element_type",))
+    if summed is not exp.outvars[0] or tuple(e.params["axes"]) != (sm.axis,):
+        raise _Miss(SOFTMAX(why="is divided after the values' contraction by a sum of other "
+                                "values or over another axis than its maximum's"), [exp, e])
+    rows = [r for i, r in enumerate(plan.logit_roles) if i != sm.axis]
+    shape = [n for i, n in enumerate(plan.logit_shape) if i != sm.axis]
+    numerator = _labels(tuple(dot.outvars[0].aval.shape), plan.out_roles)
+    try:
+        labels = _labels(tuple(shape), rows)
+        for step in chain:
+            labels = _carry(labels, step)
+        for step in post:
+            numerator = _carry(numerator, step)
+    except ValueError as err:
+        raise _Miss(LAYOUT(why=f"the division after the values' contraction {err}"),
+                    [exp, e]) from None
+    values = [lab for lab in numerator if any(a[0] == "D" for a in lab)]
+    # (the sum broadcast over the values' axis: by broadcast_in_dim, or by
+    # the division itself where jax's lax ops broadcast size-1 axes)
+    paired = all(d == n or (d is None or d == ()) and n in values and len(n) == 1
+                 for d, n in zip(labels, numerator))
+    if len(labels) != len(numerator) or not paired:
+        raise _Miss(LAYOUT(why="the division after the values' contraction pairs other rows "
+                               "than the softmax's sums"), [exp, e])
+    return [e, *widened, *chain]
 
 
 def check(m: Match, graph: Graph):
@@ -1231,7 +1401,7 @@ def cost(m: Match, graph) -> Reason | None:
 
 
 ATTENTION = Pattern(
-    NAME, match, check, build, roots=frozenset({"dot_general", "transpose"}),
+    NAME, match, check, build, roots=frozenset({"dot_general", "transpose", "div"}),
     doc="softmax(scale * q.k + bias [masked]) . v -> jax.nn.dot_product_attention",
     needs=frozenset({"dot_general", "exp", "reduce_sum", "div"}), cost=cost,
     replacement=lambda m: _replacement(m.info["plan"]))

@@ -423,3 +423,83 @@ def test_a_remask_after_the_softmax_is_read_through(rng, causal):
     ref = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(got, ref, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------- normalized after the contraction
+def _deferred(q, k, v, *, move=True, mask=True, sum_axis=-1, rows="sum", values_axis=3):
+    # MaxText's `dot_product` attention: exp(s - max) contracted with the values,
+    # divided afterwards by the sum of the exponentials (moved to the output's layout)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.float32(np.sqrt(q.shape[-1]))
+    if mask:
+        s = jnp.where(_causal(q.shape[1])[None, None], s, -0.7 * float(jnp.finfo(jnp.float32).max))
+    e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    total = jnp.sum(jnp.exp(s) if rows == "unshifted" else e, axis=sum_axis, keepdims=True)
+    if not move:
+        return jnp.einsum("bnts,bsnh->bnth", e, v) / total
+    total = jnp.moveaxis(total, -2, 1)                # [b, t, n, 1]
+    if rows == "swapped":
+        total = jnp.swapaxes(total, 1, 2)             # t and n crossed (equal sizes)
+    out = jnp.einsum("bnts,bsnh->btnh", e, v)
+    return out / total
+
+
+@pytest.mark.parametrize("move", [True, False], ids=["moved", "logits_layout"])
+@pytest.mark.parametrize("mask", [True, False], ids=["causal", "plain"])
+def test_normalized_after_the_values_contraction(rng, move, mask):
+    """`(exp(s - max) . v) / sum(exp(s - max))`, the sum laid out as the
+    output (MaxText's moveaxis) or the output as the logits: rewritten, values
+    and gradients as jit's."""
+    q, k, v = (_x(rng, 2, 16, 4, 8) for _ in range(3))
+
+    def f(q, k, v):
+        return _deferred(q, k, v, move=move, mask=mask)
+
+    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
+               if s.pattern == "attention"]
+    assert site.fused and "normalized after the values' contraction" in site.spelling, site
+    assert ("causal" in site.spelling) == mask, site
+    check(f, q, k, v, grad_argnums=(0, 1, 2))
+
+
+def test_normalized_after_the_contraction_in_a_train_step(rng):
+    """Two such layers under `value_and_grad`: each forward and backward pair
+    replaced by jax.nn's attention and its VJP."""
+    d = 32
+    ps = [{n: _x(rng, d, d) * 0.1 for n in ("wq", "wk", "wv")} for _ in range(2)]
+    x = _x(rng, 2, 16, d)
+
+    def loss(ps, x):
+        for p in ps:
+            q, k, v = ((x @ p[n]).reshape(2, 16, 4, d // 4) for n in ("wq", "wk", "wv"))
+            x = x + _deferred(q, k, v).reshape(2, 16, d)
+        return jnp.mean(jnp.sin(x))
+
+    step = jax.value_and_grad(loss)
+    found = [s for s in jaxfuse.explain(step, ps, x, patterns=rules(), policy="always").sites
+             if s.pattern == "attention"]
+    assert len(found) == 2 and all(s.fused and s.spelling.endswith("+ gradient")
+                                   for s in found), found
+    (gl, gg), (wl, wg) = jaxfuse.optimize(step, patterns=rules(), policy="always")(ps, x), \
+        jax.jit(step)(ps, x)
+    close(gl, wl, tol=1e-5)
+    for g, w in zip(jax.tree.leaves(gg), jax.tree.leaves(wg), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4,
+                                   atol=1e-4 * float(np.max(np.abs(np.asarray(w)))))
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    ({"rows": "swapped"}, "pairs other rows than the softmax's sums"),
+    ({"rows": "unshifted"}, "sum of other values"),
+    ({"sum_axis": -2, "move": False}, "over another axis"),
+])
+def test_a_division_after_the_contraction_that_differs_is_declined(rng, kwargs, why):
+    q, k, v = (_x(rng, 2, 16, 16, 16) for _ in range(3))  # heads, tokens, head size alike
+
+    def f(q, k, v):
+        return _deferred(q, k, v, **kwargs)
+
+    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
+               if s.pattern == "attention"]
+    assert not site.fused and why in site.reason, site
+    opt = jaxfuse.optimize(f, patterns=rules(), policy="always")
+    np.testing.assert_array_equal(np.asarray(opt(q, k, v)), np.asarray(jax.jit(f)(q, k, v)))
