@@ -177,7 +177,7 @@ class _Plan:
     masks: tuple                # _Terms
     causal: bool
     window: tuple | None
-    heads_role: object          # the batch role jax.nn's heads axis stands for
+    heads: tuple                # the roles jax.nn's heads axis stands for, major first
     core: tuple                 # equations the replacement must absorb
     optional: tuple             # equations it absorbs where nothing else reads them
     form: str
@@ -467,9 +467,10 @@ class _Analysis:
         w_free = [i for i, lab in enumerate(w_labels) if lab[0] in ("l", "r")]
         if len(contracted) != 1 or w_axes[contracted[0]] != sm.axis:
             self.miss(LAYOUT(why="the values' contraction does not sum over the softmax's axis"))
-        if len(w_free) != 1:
+        if len(w_free) not in (1, 2):
             self.miss(LAYOUT(why=f"the weights keep {len(w_free)} axes besides the batch ones "
-                                 f"(the queries' one expected)"))
+                                 f"(the queries' one, and at most a group of query heads, "
+                                 f"expected)"))
         v_free = [lab for lab in v_labels if lab[0] in ("l", "r")]
         if len(v_free) != 1:
             self.miss(LAYOUT(why=f"the values keep {len(v_free)} axes besides the batch ones "
@@ -489,23 +490,27 @@ class _Analysis:
         q_labels, k_labels = c1.labels[q_index], c1.labels[k_index]
         q_free = [lab for lab in q_labels if lab[0] in ("l", "r")]
         k_free = [lab for lab in k_labels if lab[0] in ("l", "r")]
-        if len(q_free) != 1 or len(k_free) != 1:
+        if len(q_free) != len(w_free) or len(k_free) != 1:
             self.miss(LAYOUT(why="the queries or the keys have other than one sequence axis"))
-        query_label = q_free[0]
-        logit_roles = tuple("T" if lab == query_label else "S" if lab == key_label else lab
-                            for lab in out1)
-        if w_axes[w_free[0]] != out1.index(query_label):
-            self.miss(LAYOUT(why="the weights' free axis is not the logits' query axis"))
+        # a second axis of the queries alone (MaxText's and gemma's [.., K, G, T, S]
+        # logits): a group of query heads per key/value head
+        query_label, group_label = (q_free[0], None) if len(q_free) == 1 else \
+            self.query_axis(q_free, out1, terms, masks, sm.axis, tuple(x.aval.shape))
+        logit_roles = tuple("T" if lab == query_label else "S" if lab == key_label
+                            else "G" if lab == group_label else lab for lab in out1)
+        if sorted(w_axes[i] for i in w_free) != sorted(out1.index(lab) for lab in q_free):
+            self.miss(LAYOUT(why="the weights' free axes are not the logits' query axes"))
         c2_role = {lab: logit_roles[w_axes[i]] for i, lab in enumerate(w_labels) if lab[0] == "b"}
-        batch_roles = [r for r in logit_roles if r not in ("T", "S")]
+        batch_roles = [r for r in logit_roles if r not in ("T", "S", "G")]
         if sorted(map(repr, c2_role.values())) != sorted(map(repr, batch_roles)):
             self.miss(LAYOUT(why="the values' contraction pairs other batch axes than the logits'"))
-        q_roles = tuple(lab if lab[0] == "b" else "H" if lab[0] == "c" else "T" for lab in q_labels)
+        q_roles = tuple(lab if lab[0] == "b" else "H" if lab[0] == "c"
+                        else "T" if lab == query_label else "G" for lab in q_labels)
         k_roles = tuple(lab if lab[0] == "b" else "H" if lab[0] == "c" else "S" for lab in k_labels)
         v_roles = tuple(c2_role[lab] if lab[0] == "b" else "S" if lab[0] == "c" else "D"
                         for lab in v_labels)
-        w_free_label = w_labels[w_free[0]]
-        out_roles = tuple(c2_role[lab] if lab[0] == "b" else "T" if lab == w_free_label else "D"
+        w_role = {w_labels[i]: logit_roles[w_axes[i]] for i in w_free}
+        out_roles = tuple(c2_role[lab] if lab[0] == "b" else w_role.get(lab, "D")
                           for lab in c2.labels[2])
         # ---- the operands, their scales peeled
         q_side, q_scale = self.side(c1.operands[q_index], q_roles)
@@ -542,16 +547,48 @@ class _Analysis:
             flat = [r for r in batch_roles
                     if all(t.view[logit_roles.index(r)] == 1 for t in (*terms, *masks))]
             heads_role = flat[-1] if flat else batch_roles[-1]
+        heads = (heads_role,) if heads_role is not None else ()
+        groups = k_side.groups
+        if group_label is not None:
+            if k_side.groups > 1:
+                self.miss(LAYOUT(why="the keys are repeated over heads and the queries hold a "
+                                     "group axis besides"))
+            # jax.nn's query heads: the key/value heads (the batch axis before the group
+            # in the queries' layout, else the last one) major, the group minor
+            at = q_labels.index(group_label)
+            kv = q_labels[at - 1] if at > 0 and q_labels[at - 1][0] == "b" else \
+                (batch_roles[-1] if batch_roles else None)
+            heads = (kv, "G") if kv is not None else ("G",)
+            groups = int(x.aval.shape[logit_roles.index("G")])
         form, details = self.form(sm, dtype, mult, q_scale * k_scale, terms, masks, causal,
-                                  window, k_side)
+                                  window, groups)
         for s in (q_side, k_side, v_side):
             self.optional.extend(s.walked)
         if zero_rows:
             details = ", ".join(filter(None, (details, "re-masked after the softmax")))
         return _Plan(q_side, k_side, v_side, logit_roles, tuple(x.aval.shape), out_roles,
                      np.dtype(self.root.outvars[0].aval.dtype), dtype, float(scale), tuple(terms),
-                     tuple(masks), causal, window, heads_role, tuple(self.core),
+                     tuple(masks), causal, window, heads, tuple(self.core),
                      tuple(self.optional), form, details, zero_rows)
+
+    def query_axis(self, q_free, out1, terms, masks, key_axis, shape):
+        """(the query axis, the group axis) of two free axes of the queries:
+        rows are independent, so either reading computes the same; the query
+        axis is the one the masks and bias vary along (with the keys), else
+        the one as long as the keys (self-attention), else the one beside the
+        keys' axis in the logits, else the longer."""
+        at = {lab: out1.index(lab) for lab in q_free}
+        varied = [lab for lab in q_free if any(t.view[at[lab]] != 1 for t in (*terms, *masks))]
+        as_long = [lab for lab in q_free if shape[at[lab]] == shape[key_axis]]
+        if len(varied) == 1:
+            query = varied[0]
+        elif len(as_long) == 1:
+            query = as_long[0]
+        elif any(at[lab] == key_axis - 1 for lab in q_free):
+            query = next(lab for lab in q_free if at[lab] == key_axis - 1)
+        else:
+            query = max(q_free, key=lambda lab: (shape[at[lab]], at[lab]))
+        return query, next(lab for lab in q_free if lab != query)
 
     # ------------------------------------------------------------ weights
     def weights(self, atom):
@@ -956,7 +993,7 @@ class _Analysis:
         return _Side(src, replay, tuple(roles), tuple(e for e, _ in walk), groups, group_axis), scale
 
     # --------------------------------------------------------------- form
-    def form(self, sm, dtype, logit_scale, side_scale, terms, masks, causal, window, k_side):
+    def form(self, sm, dtype, logit_scale, side_scale, terms, masks, causal, window, groups):
         """The site's name (as the shipped forms were named) and a description."""
         name = NAME
         if logit_scale != 1.0 and side_scale == 1.0:
@@ -976,8 +1013,8 @@ class _Analysis:
             parts.append(f"{len(masks)} mask factor{'s' if len(masks) > 1 else ''}")
         if terms:
             parts.append(f"{len(terms)} bias term{'s' if len(terms) > 1 else ''}")
-        if k_side.groups > 1:
-            parts.append(f"{k_side.groups} query heads per key/value head")
+        if groups > 1:
+            parts.append(f"{groups} query heads per key/value head")
         return name, ", ".join(parts)
 
 
@@ -1019,33 +1056,33 @@ def _replacement(plan: _Plan):
     jax.nn.dot_product_attention, in the root's layout and dtype."""
     sizes = dict(zip(plan.logit_roles, plan.logit_shape))
     batch = [r for r in plan.logit_roles if r not in ("T", "S")]
-    heads = plan.heads_role
-    others = [r for r in batch if r != heads]
+    heads = plan.heads   # jax.nn's heads axis: these roles merged, the first major
+    others = [r for r in batch if r not in heads]
     flat = math.prod(sizes[r] for r in others)
     nb = len(plan.bias)
 
     def four(value, roles, seq, last):
-        perm = [roles.index(r) for r in others] + [roles.index(seq)]
-        perm += [roles.index(heads)] if heads is not None else []
-        value = jnp.transpose(value, perm + [roles.index(last)])
-        n = value.shape[len(others) + 1] if heads is not None else 1
+        here = [r for r in heads if r in roles]  # the keys and values lack the query group
+        perm = [roles.index(r) for r in (*others, seq, *here, last)]
+        value = jnp.transpose(value, perm)
+        n = math.prod(value.shape[len(others) + 1:-1])
         return value.reshape((flat, value.shape[len(others)], n, value.shape[-1]))
 
     def logits4(value):
         roles = plan.logit_roles
-        perm = [roles.index(r) for r in others]
-        perm += [roles.index(heads)] if heads is not None else []
-        value = jnp.transpose(value, perm + [roles.index("T"), roles.index("S")])
+        value = jnp.transpose(value, [roles.index(r) for r in (*others, *heads, "T", "S")])
         lead = value.shape[:len(others)]
         if any(n != 1 for n in lead):
             value = jnp.broadcast_to(value, tuple(sizes[r] for r in others) + value.shape[len(others):])
             b = flat
         else:
             b = 1
-        rest = value.shape[len(others):]
-        if heads is None:
-            rest = (1, *rest)
-        return value.reshape((b, *rest))
+        mid = value.shape[len(others):len(others) + len(heads)]
+        if any(n != 1 for n in mid) and tuple(mid) != tuple(sizes[r] for r in heads):
+            # merged, the head axes are whole, or all 1 (broadcast over every head)
+            value = jnp.broadcast_to(value, value.shape[:len(others)] + tuple(sizes[r] for r in heads)
+                                     + value.shape[-2:])
+        return value.reshape((b, math.prod(value.shape[len(others):-2]), *value.shape[-2:]))
 
     def attention(*args):
         q, k, v = (_replay(s, a).astype(plan.dtype) for s, a in zip((plan.q, plan.k, plan.v), args))
@@ -1078,11 +1115,8 @@ def _replacement(plan: _Plan):
             # gets 0 there, where jax.nn averages the values
             out = out * _rows_kept(mask, plan.causal, window, q4.shape[1], k4.shape[1],
                                    out.dtype)
-        shape = tuple(sizes[r] for r in others) + (sizes["T"],)
-        roles = [*others, "T"]
-        if heads is not None:
-            shape += (sizes[heads],)
-            roles.append(heads)
+        shape = tuple(sizes[r] for r in (*others, "T", *heads))
+        roles = [*others, "T", *heads]
         out = out.reshape(shape + (out.shape[-1],))
         roles.append("D")
         out = jnp.transpose(out, [roles.index(r) for r in plan.out_roles]).astype(plan.out_dtype)
@@ -1116,7 +1150,7 @@ def _plan_key(plan: _Plan, avals) -> tuple:
     return (repr(plan.logit_roles), plan.logit_shape, repr(plan.out_roles), plan.out_dtype.name,
             plan.dtype.name, plan.scale, tuple((t.view, t.coefficient) for t in plan.bias),
             tuple((t.view, t.negate) for t in plan.masks), plan.causal, plan.window,
-            repr(plan.heads_role), plan.form, plan.zero_masked_rows, side(plan.q), side(plan.k),
+            repr(plan.heads), plan.form, plan.zero_masked_rows, side(plan.q), side(plan.k),
             side(plan.v), side(_Side(None, plan.post, ())), repr(plan.result_dtype),
             tuple((tuple(a.shape), np.dtype(a.dtype).name) for a in avals), target_platform())
 
@@ -1335,10 +1369,10 @@ def _shapes(plan: _Plan):
     """(q, k, v) avals as jax.nn reads them: (B, T, N, H), (B, S, K, H), (B, S, K, D)."""
     sizes = dict(zip(plan.logit_roles, plan.logit_shape))
     batch = [r for r in plan.logit_roles if r not in ("T", "S")]
-    heads = plan.heads_role
-    b = math.prod(sizes[r] for r in batch if r != heads)
-    n = sizes[heads] if heads is not None else 1
-    kv = n // plan.k.groups
+    heads = plan.heads
+    b = math.prod(sizes[r] for r in batch if r not in heads)
+    n = math.prod(sizes[r] for r in heads)
+    kv = math.prod(_axis_size(plan.k, r) for r in heads if r in plan.k.roles)
     h = _axis_size(plan.q, "H")
     d = _axis_size(plan.v, "D")
     t, s = sizes["T"], sizes["S"]

@@ -503,3 +503,69 @@ def test_a_division_after_the_contraction_that_differs_is_declined(rng, kwargs, 
     assert not site.fused and why in site.reason, site
     opt = jaxfuse.optimize(f, patterns=rules(), policy="always")
     np.testing.assert_array_equal(np.asarray(opt(q, k, v)), np.asarray(jax.jit(f)(q, k, v)))
+
+
+# ------------------------------------------------ a group axis of the queries
+def _grouped(q, k, v, mask):
+    # logits [B, T, K, G, S]: G query heads per key/value head as an axis of the
+    # queries alone (the einsums MaxText and gemma write around their reshapes)
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, n // kv, h)
+    s = jnp.einsum("btkgh,bskh->btkgs", q, k) * np.float32(h ** -0.5)
+    s = jnp.where(mask, s, -1e30)
+    o = jnp.einsum("btkgs,bskh->btkgh", jax.nn.softmax(s, axis=-1), v)
+    return o.reshape(b, t, n, h)
+
+
+def _multi_query(q, k, v, mask):
+    # one key/value head, written without a heads axis: [B, S, H]
+    s = jnp.einsum("btnh,bsh->btns", q, k[:, :, 0]) * np.float32(q.shape[-1] ** -0.5)
+    s = jnp.where(mask, s, -1e30)
+    return jnp.einsum("btns,bsh->btnh", jax.nn.softmax(s, axis=-1), v[:, :, 0])
+
+
+def _maxtext_grouped(q, k, v, mask):
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, n // kv, h)
+    w = jnp.einsum("btkgh,bskh->bkgts", q, k)
+    w = jnp.where(jnp.moveaxis(mask, 1, -2), w, -0.7 * float(jnp.finfo(jnp.float32).max))
+    e = jnp.exp(w - jnp.max(w, axis=-1, keepdims=True))
+    total = jnp.moveaxis(jnp.sum(e, axis=-1, keepdims=True), -2, 1)   # [b, t, kv, g, 1]
+    total = total.reshape(b, t, n, 1)
+    return jnp.einsum("bkgts,bskh->btkgh", e, v).reshape(b, t, n, h) / total
+
+
+@pytest.mark.parametrize("spelling, kv, groups", [
+    (_grouped, 2, 3), (_multi_query, 1, 4), (_maxtext_grouped, 2, 2), (_maxtext_grouped, 4, 1)])
+@pytest.mark.parametrize("mask_kind", ["causal_padding", "per_group"])
+def test_a_group_axis_of_the_queries_is_read_as_key_value_heads(rng, spelling, kv, groups,
+                                                                mask_kind):
+    """Logits [.., K, G, T, S] (or [B, T, N, S] against keys with no heads
+    axis): G query heads per key/value head, as jax.nn's grouped heads; a mask
+    over (T, S) broadcast over the heads, or one that differs per query head
+    of a group."""
+    b, t, h = 2, 12, 8
+    q = _x(rng, b, t, kv * groups, h)
+    k, v = _x(rng, b, t, kv, h), _x(rng, b, t, kv, h)
+    pad = np.ones((b, t), bool)
+    pad[1, 9:] = False
+    if mask_kind == "causal_padding":
+        keep = np.tril(np.ones((t, t), bool))[None] & pad[:, None, :]   # [B, T, S]
+    else:
+        keep = rng.random((b, t, groups, t)) > 0.3                     # [B, T, G, S]
+        keep[..., 0] = True
+    shaped = {_grouped: lambda m: m[:, :, None, None] if m.ndim == 3 else m[:, :, None],
+              _multi_query: lambda m: m[:, :, None] if m.ndim == 3 else m,
+              _maxtext_grouped: lambda m: m[:, :, None, None] if m.ndim == 3 else m[:, :, None]}
+    mask = jnp.asarray(shaped[spelling](keep))
+
+    def f(q, k, v):
+        return spelling(q, k, v, mask)
+
+    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
+               if s.pattern == "attention"]
+    assert site.fused, site
+    assert (f"{groups} query heads per key/value head" in site.spelling) == (groups > 1), site
+    check(f, q, k, v, grad_argnums=(0, 1, 2))

@@ -73,7 +73,9 @@ def names(fun, *args) -> list:
 
 def close_step(got, want, loss_tol=1e-5, tol=1e-4):
     (gl, gg), (wl, wg) = got, want
-    np.testing.assert_allclose(np.asarray(gl), np.asarray(wl), rtol=loss_tol)
+    # the loss is a mean of terms of either sign, near 0 for some draws: float32's
+    # rounding of a mean of O(1) terms bounds it absolutely
+    np.testing.assert_allclose(np.asarray(gl), np.asarray(wl), rtol=loss_tol, atol=1e-6)
     got_leaves, want_leaves = jax.tree.leaves(gg), jax.tree.leaves(wg)
     assert len(got_leaves) == len(want_leaves)
     for g, w in zip(got_leaves, want_leaves, strict=True):
