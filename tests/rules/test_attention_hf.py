@@ -19,7 +19,7 @@ from jaxfuse.fusion.ir.subjaxprs import all_eqns
 
 import hf_models as H
 
-pytestmark = pytest.mark.skipif(not H.available(), reason="needs the `models` extra (transformers)")
+pytestmark = pytest.mark.skipif(not H.available(), reason="needs the `hf` extra (transformers)")
 
 
 def _rules():

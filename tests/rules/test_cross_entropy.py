@@ -92,13 +92,13 @@ def _gpt2(dtype=jnp.float32):
 
 @pytest.fixture(scope="module")
 def llama():
-    pytest.importorskip("transformers", reason="needs the `models` extra (transformers)")
+    pytest.importorskip("transformers", reason="needs the `hf` extra (transformers)")
     return _llama()
 
 
 @pytest.fixture(scope="module")
 def gpt2():
-    pytest.importorskip("transformers", reason="needs the `models` extra (transformers)")
+    pytest.importorskip("transformers", reason="needs the `hf` extra (transformers)")
     return _gpt2()
 
 
@@ -198,7 +198,7 @@ def test_bfloat16_params_with_a_float32_loss(batch, model):
     the weight's gradient add in float32 and round once, as XLA's single
     contraction does, so the gradients are jit's, inside the loop and in the
     rule's own backward alike."""
-    pytest.importorskip("transformers", reason="needs the `models` extra (transformers)")
+    pytest.importorskip("transformers", reason="needs the `hf` extra (transformers)")
     ids, mask = batch
     m = (_llama if model == "llama" else _gpt2)(jnp.bfloat16)
     params = m.to_bf16(m.params)

@@ -108,9 +108,14 @@ def _as_jit(step, args) -> tuple:
     return temp_opt, temp_jit
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("loss", [integer_loss, padding_mask_loss, tied_loss],
-                         ids=["integer", "padding_mask", "tied_embedding"])
+# integer labels on every layout; the padding mask and the tied embedding on the
+# layouts that split what they change (the tokens; the vocabulary, the weight's rows)
+CASES = [*((layout, integer_loss) for layout in LAYOUTS),
+         ("data_parallel", padding_mask_loss), ("tensor_parallel", padding_mask_loss),
+         ("data_parallel", tied_loss), ("tensor_parallel", tied_loss), ("fsdp", tied_loss)]
+
+
+@pytest.mark.parametrize("layout, loss", CASES, ids=[f"{lay}-{fn.__name__}" for lay, fn in CASES])
 def test_a_sharded_train_step_keeps_jits_collectives(rng, layout, loss):
     m = mesh()
     tied = loss is tied_loss

@@ -67,7 +67,7 @@ def rms_fused(x, w):
 _EXAMPLES = (jax.ShapeDtypeStruct((2, 8, 64), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.float32))
 
 
-@pytest.mark.skipif(not H.available(), reason="needs the `models` extra (transformers)")
+@pytest.mark.skipif(not H.available(), reason="needs the `hf` extra (transformers)")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("spelling", [rms_as_hf_writes_it, rms_with_rsqrt, rms_with_square])
 def test_an_rmsnorm_rule_in_any_spelling_matches_every_site_of_hf_llama(spelling, dtype):
