@@ -436,6 +436,9 @@ class _Analysis:
     def __init__(self, root, graph: Graph, deferred: bool = False):
         self.root, self.graph, self.deferred = root, graph, deferred
         self.softmax: _Softmax | None = None
+        # gemma's grouped layer: the softmax runs on [.., K*G, ..], split into (K, G) after
+        # it and merged from them before it: (the merged axis, K, G), coordinates unmerged
+        self.split: tuple | None = None
         self.core: list = []
         self.optional: list = []
         self.fills: list = []   # (effective fill, dtype, equation) of every mask found
@@ -463,9 +466,11 @@ class _Analysis:
         self.softmax = sm
         self.core += sm.eqns
         x = sm.logits
+        # the softmax's axis among the logits' contraction's (split where gemma merges heads)
+        sm_axis = sm.axis + (1 if self.split is not None and sm.axis > self.split[0] else 0)
         contracted = [i for i, lab in enumerate(w_labels) if lab[0] == "c"]
         w_free = [i for i, lab in enumerate(w_labels) if lab[0] in ("l", "r")]
-        if len(contracted) != 1 or w_axes[contracted[0]] != sm.axis:
+        if len(contracted) != 1 or w_axes[contracted[0]] != sm_axis:
             self.miss(LAYOUT(why="the values' contraction does not sum over the softmax's axis"))
         if len(w_free) not in (1, 2):
             self.miss(LAYOUT(why=f"the weights keep {len(w_free)} axes besides the batch ones "
@@ -480,7 +485,8 @@ class _Analysis:
         c1 = contraction(c1_atom, g.producer, self.single_use)
         self.core += c1.eqns
         out1 = c1.labels[2]
-        key_label = out1[sm.axis]
+        lshape = tuple(c1_atom.aval.shape)  # the logits, as their contraction lays them out
+        key_label = out1[sm_axis]
         if key_label[0] not in ("l", "r"):
             self.miss(LAYOUT(why="the softmax runs over a batch axis of the logits"))
         if len([lab for lab in c1.labels[0] if lab[0] == "c"]) != 1:
@@ -495,7 +501,7 @@ class _Analysis:
         # a second axis of the queries alone (MaxText's and gemma's [.., K, G, T, S]
         # logits): a group of query heads per key/value head
         query_label, group_label = (q_free[0], None) if len(q_free) == 1 else \
-            self.query_axis(q_free, out1, terms, masks, sm.axis, tuple(x.aval.shape))
+            self.query_axis(q_free, out1, terms, masks, sm_axis, lshape)
         logit_roles = tuple("T" if lab == query_label else "S" if lab == key_label
                             else "G" if lab == group_label else lab for lab in out1)
         if sorted(w_axes[i] for i in w_free) != sorted(out1.index(lab) for lab in q_free):
@@ -535,10 +541,12 @@ class _Analysis:
                 self.miss(DTYPE(why=f"the {name} are {have.name}, wider than the weights' "
                                     f"{dtype.name}: jax.nn would compute them in {dtype.name}"))
         # ---- masks: the constant part as is_causal / a window where it is exactly that
-        self._roles, self._shape = logit_roles, tuple(x.aval.shape)
+        self._roles, self._shape = logit_roles, lshape
         all_masks = list(masks)
-        causal, window, masks = self.constant_masks(masks, logit_roles, tuple(x.aval.shape))
-        self.check_fills(masks, causal, window, logit_roles, tuple(x.aval.shape))
+        causal, window, masks = self.constant_masks(masks, logit_roles, lshape)
+        self.check_fills(masks, causal, window, logit_roles, lshape)
+        if self.split is not None and self.remasks:
+            self.miss(LAYOUT(why="the weights are masked again and split over two head axes"))
         zero_rows = self.remask_is_the_mask([t for t in all_masks if t.value is None], causal,
                                             window, len(self._shape))
         # ---- jax.nn's heads axis: the grouped one, else one the bias and masks broadcast over
@@ -559,14 +567,14 @@ class _Analysis:
             kv = q_labels[at - 1] if at > 0 and q_labels[at - 1][0] == "b" else \
                 (batch_roles[-1] if batch_roles else None)
             heads = (kv, "G") if kv is not None else ("G",)
-            groups = int(x.aval.shape[logit_roles.index("G")])
+            groups = int(lshape[logit_roles.index("G")])
         form, details = self.form(sm, dtype, mult, q_scale * k_scale, terms, masks, causal,
                                   window, groups)
         for s in (q_side, k_side, v_side):
             self.optional.extend(s.walked)
         if zero_rows:
             details = ", ".join(filter(None, (details, "re-masked after the softmax")))
-        return _Plan(q_side, k_side, v_side, logit_roles, tuple(x.aval.shape), out_roles,
+        return _Plan(q_side, k_side, v_side, logit_roles, lshape, out_roles,
                      np.dtype(self.root.outvars[0].aval.dtype), dtype, float(scale), tuple(terms),
                      tuple(masks), causal, window, heads, tuple(self.core),
                      tuple(self.optional), form, details, zero_rows)
@@ -601,11 +609,26 @@ class _Analysis:
         while True:
             sm = find(cur, g) if C.is_var(cur) else None
             if sm is not None:
+                if self.split is not None and sm.axis == self.split[0]:
+                    self.miss(LAYOUT(why="the softmax runs over the axis the weights split"))
                 return sm, tuple(axes)
             e = g.producer(cur) if C.is_var(cur) else None
             if e is None:
                 self.miss(LAYOUT(why="the values' contraction reads no softmax"))
             name = e.primitive.name
+            if self.split is not None and name not in ("convert_element_type", "copy"):
+                self.miss(STEP(culprit=name, where=_WEIGHTS, why="not a step attention takes "
+                                                                 "after the heads' split"), e)
+            if name == "reshape" and self.split is None and not self.deferred \
+                    and _merged_axis(e.outvars[0].aval.shape, e.invars[0].aval.shape) is not None:
+                # [.., K*G, ..] -> [.., K, G, ..] (gemma): the atom's axes stay in the
+                # split coordinates, which the logits' contraction has too
+                a = _merged_axis(e.outvars[0].aval.shape, e.invars[0].aval.shape)
+                shape = e.outvars[0].aval.shape
+                self.split = (a, int(shape[a]), int(shape[a + 1]))
+                self.core.append(e)
+                cur = e.invars[0]
+                continue
             if name == "convert_element_type" and _is_float(e.outvars[0].aval.dtype) \
                     and _is_float(e.invars[0].aval.dtype):
                 self.core.append(e)
@@ -716,7 +739,7 @@ class _Analysis:
         name = e.primitive.name
         if name in ("dot_general", "transpose"):
             return contraction(atom, self.graph.producer, self.single_use) is not None
-        if name in ("convert_element_type", "copy", "neg"):
+        if name in ("convert_element_type", "copy", "neg") or (name == "reshape" and self.split):
             return self._reaches_dot(e.invars[0], depth + 1)
         if name in ("add", "add_any", "sub", "mul", "div", "select_n"):
             return any(self._reaches_dot(a, depth + 1) for a in e.invars)
@@ -732,11 +755,33 @@ class _Analysis:
         identity = lambda view: view  # noqa: E731
         while True:
             if contraction(cur, g.producer, self.single_use) is not None:
+                if self.split is not None:
+                    self.miss(LAYOUT(why="the weights are split over two head axes and the "
+                                         "logits are not merged from them"))
                 return terms, masks, mult, cur
             e = g.producer(cur) if C.is_var(cur) else None
             if e is None:
                 self.miss(LAYOUT(why="the softmax reads no contraction of queries and keys"))
             name = e.primitive.name
+            if name == "reshape" and self.split is not None:
+                a, k, grp = self.split
+                split_shape = tuple(e.invars[0].aval.shape)
+                if _merged_axis(split_shape, e.outvars[0].aval.shape) != a \
+                        or split_shape[a:a + 2] != (k, grp) \
+                        or contraction(e.invars[0], g.producer, self.single_use) is None:
+                    self.miss(STEP(culprit=name, where=_LOGITS,
+                                   why="merges other axes than the weights split"), e)
+                self.core.append(e)
+
+                def unmerged(view):
+                    n = view[a]
+                    return (*view[:a], *((k, grp) if n == k * grp else (1, 1)), *view[a + 1:])
+                bad = [t for t in (*terms, *masks) if t.view[a] not in (1, k * grp)]
+                if bad:
+                    self.miss(LAYOUT(why="a mask or bias broadcasts over part of the merged heads"))
+                terms = [dataclasses.replace(t, view=unmerged(t.view)) for t in terms]
+                masks = [dataclasses.replace(t, view=unmerged(t.view)) for t in masks]
+                return terms, masks, mult, e.invars[0]
             if name in ("convert_element_type", "copy") and _is_float(e.outvars[0].aval.dtype) \
                     and _is_float(e.invars[0].aval.dtype):
                 self.core.append(e)
@@ -1023,6 +1068,19 @@ def _masks(fill: float, dtype) -> bool:
     if not math.isfinite(fill):
         return False
     return fill <= _MASK_FILL or (_is_float(dtype) and fill <= float(jnp.finfo(dtype).min))
+
+
+def _merged_axis(split_shape, merged_shape) -> int | None:
+    """The axis `a` where `merged_shape` is `split_shape` with its axes a and
+    a + 1 merged, the second longer than 1 (a first of size 1: one key/value
+    head), else None."""
+    i, o = tuple(split_shape), tuple(merged_shape)
+    if len(i) != len(o) + 1:
+        return None
+    found = [a for a in range(len(o)) if i[:a] == o[:a] and i[a + 2:] == o[a + 1:]
+             and i[a] * i[a + 1] == o[a] and i[a + 1] > 1]
+    whole = [a for a in found if i[a] > 1]
+    return (whole or found or [None])[0]
 
 
 def _repeat(reshape, graph: Graph):

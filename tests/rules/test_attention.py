@@ -569,3 +569,53 @@ def test_a_group_axis_of_the_queries_is_read_as_key_value_heads(rng, spelling, k
     assert site.fused, site
     assert (f"{groups} query heads per key/value head" in site.spelling) == (groups > 1), site
     check(f, q, k, v, grad_argnums=(0, 1, 2))
+
+
+def _gemma_grouped(q, k, v, mask):
+    # gemma's layer: the grouped logits merged to [B, T, N, S] for the mask and the
+    # softmax, split back to [B, T, K, G, S] for the values
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    logits = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(b, t, kv, n // kv, h), k)
+    logits = logits.reshape(b, t, n, -1)
+    logits = jnp.where(jnp.expand_dims(mask, -2), logits, -2.3819763e38)
+    probs = jax.nn.softmax(logits, axis=-1).astype(k.dtype)
+    out = jnp.einsum("BTKGS,BSKH->BTKGH", probs.reshape(b, t, kv, n // kv, -1), v)
+    return out.reshape(b, t, n, h)
+
+
+@pytest.mark.parametrize("kv, groups", [(2, 3), (1, 4)])
+def test_gemmas_heads_merged_around_the_softmax(rng, kv, groups):
+    """gemma's grouped-query layer: logits merged over (K, G) before the
+    softmax and split after it; a causal and padding mask over (T, S)."""
+    b, t, h = 2, 12, 8
+    q, k, v = _x(rng, b, t, kv * groups, h), _x(rng, b, t, kv, h), _x(rng, b, t, kv, h)
+    pad = np.ones((b, t), bool)
+    pad[1, 8:] = False
+    mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None] & pad[:, None, :])
+
+    def f(q, k, v):
+        return _gemma_grouped(q, k, v, mask)
+
+    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
+               if s.pattern == "attention"]
+    assert site.fused and f"{groups} query heads per key/value head" in site.spelling, site
+    check(f, q, k, v, grad_argnums=(0, 1, 2))
+
+
+def test_heads_split_otherwise_than_merged_are_declined(rng):
+    """The weights split back as (G, K) where the logits merged (K, G): another
+    attention (each query head reads another key/value head), declined."""
+    b, t, h = 2, 8, 4
+    q, k, v = _x(rng, b, t, 4, h), _x(rng, b, t, 2, h), _x(rng, b, t, 2, h)
+
+    def f(q, k, v):
+        logits = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(b, t, 2, 2, h), k).reshape(b, t, 4, t)
+        probs = jax.nn.softmax(logits, axis=-1).reshape(b, t, 2, 2, t)
+        return jnp.einsum("BTGKS,BSKH->BTKGH", probs, v).reshape(b, t, 4, h)
+
+    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
+               if s.pattern == "attention"]
+    assert not site.fused and "query axes" in site.reason, site
+    opt = jaxfuse.optimize(f, patterns=rules(), policy="always")
+    np.testing.assert_array_equal(np.asarray(opt(q, k, v)), np.asarray(jax.jit(f)(q, k, v)))
