@@ -838,6 +838,10 @@ class _Analysis:
                 self.split_factors(p, not keep, masks, identity, rank)
                 cur = main
                 continue
+            if name == "tanh":
+                self.miss(STEP(culprit=name, where=_LOGITS,
+                               why="a soft cap of the logits (`cap * tanh(s / cap)`, Gemma 2's): "
+                                   "jax.nn.dot_product_attention has no soft cap to express it"), e)
             self.miss(STEP(culprit=name, where=_LOGITS, why="not a step attention takes"), e)
 
     def split_terms(self, atom, coefficient, terms, masks, to_logits, rank):

@@ -619,3 +619,20 @@ def test_heads_split_otherwise_than_merged_are_declined(rng):
     assert not site.fused and "query axes" in site.reason, site
     opt = jaxfuse.optimize(f, patterns=rules(), policy="always")
     np.testing.assert_array_equal(np.asarray(opt(q, k, v)), np.asarray(jax.jit(f)(q, k, v)))
+
+
+def test_a_soft_capped_attention_names_what_jax_nn_lacks(rng):
+    """Gemma 2's logit soft cap has no counterpart in jax.nn's attention: the
+    site is declined saying so, and the program is jit's."""
+    q, k, v = (_x(rng, 2, 8, 2, 4) for _ in range(3))
+
+    def f(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) * 0.5
+        s = 50.0 * jnp.tanh(s / 50.0)
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+
+    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
+               if s.pattern == "attention"]
+    assert not site.fused and "has no soft cap" in site.reason and "tanh" in site.reason, site
+    opt = jaxfuse.optimize(f, patterns=rules(), policy="always")
+    np.testing.assert_array_equal(np.asarray(opt(q, k, v)), np.asarray(jax.jit(f)(q, k, v)))
