@@ -160,6 +160,16 @@ class _Term:
     coefficient: float = 1.0   # bias: the factor the logits' arithmetic applies to it
     negate: bool = False       # mask: keep where the atom is False
     value: object = dataclasses.field(default=None, compare=False)  # a constant mask's value
+    order: tuple | None = None  # read through transposes: the atom, reshaped, transposed so
+
+    def laid_out(self, value, xp=np):
+        """`value` (the atom's, or its constant value) at the logits' axes."""
+        if self.order is None:
+            return xp.reshape(value, self.view)
+        before = [0] * len(self.view)
+        for j, o in enumerate(self.order):
+            before[o] = self.view[j]
+        return xp.transpose(xp.reshape(value, tuple(before)), self.order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,9 +250,10 @@ def _view_through(view, eqn):
 @dataclasses.dataclass(frozen=True)
 class _Softmax:
     logits: object   # the atom the softmax reads
-    axis: int
+    axis: int        # its axis, among the logits'
     eqns: tuple
     dtype: object
+    perm: tuple | None = None  # the result's axis j is the logits' axis perm[j] (penzai's)
 
 
 def _through(atom, graph, names):
@@ -298,13 +309,17 @@ def softmax_of(atom, graph: Graph) -> _Softmax | None:
     eqns = [div, exp, red, *passed, *widened]
     if len(axes) != 1:
         raise _Miss(SOFTMAX(why=f"runs over {len(axes)} axes at once"), eqns)
-    x, more = _max_subtracted(exp, axes, graph, eqns)
-    return _Softmax(x, int(axes[0]), tuple(eqns + more), x.aval.dtype)
+    x, more, perm = _max_subtracted(exp, axes, graph, eqns)
+    axis = int(axes[0]) if perm is None else int(perm[axes[0]])
+    return _Softmax(x, axis, tuple(eqns + more), x.aval.dtype, perm)
 
 
 def _max_subtracted(exp, axes, graph: Graph, eqns) -> tuple:
-    """(x, the equations) of `exp(x - max(x))`, the maximum over `axes` with
-    keepdims in any spelling; raises `_Miss` where `exp` reads anything else."""
+    """(x, the equations, perm) of `exp(x - max(x))`, the maximum over `axes`
+    with keepdims in any spelling; or of `exp(transpose(x) - max(x))`, the
+    softmax's axis moved last as a softmax under penzai's named-axis `nmap`
+    computes it (perm: the transpose's, the other axes in their order).
+    Raises `_Miss` where `exp` reads anything else."""
     sub = graph.producer(exp.invars[0])
     if sub is None or sub.primitive.name != "sub":
         raise _Miss(SOFTMAX(why="subtracts no maximum before `exp` (it may overflow where "
@@ -312,11 +327,21 @@ def _max_subtracted(exp, axes, graph: Graph, eqns) -> tuple:
     x, m = sub.invars
     top, passed = _through(m, graph, _KEEPDIMS)
     mx = graph.producer(top)
+    moved = graph.producer(x) if C.is_var(x) else None
+    perm = None
+    if mx is not None and mx.primitive.name == "reduce_max" and mx.invars[0] is not x \
+            and moved is not None and moved.primitive.name == "transpose" \
+            and moved.invars[0] is mx.invars[0] and axes is not None and len(axes) == 1:
+        p = tuple(moved.params["permutation"])
+        rest = [a for j, a in enumerate(p) if j != axes[0]]
+        if (p[axes[0]],) == tuple(mx.params["axes"]) and rest == sorted(rest):
+            perm, x = p, moved.invars[0]
+            passed = [*passed, moved]
     if mx is None or mx.primitive.name != "reduce_max" or mx.invars[0] is not x \
-            or (axes is not None and tuple(mx.params["axes"]) != tuple(axes)):
+            or (axes is not None and perm is None and tuple(mx.params["axes"]) != tuple(axes)):
         raise _Miss(SOFTMAX(why="subtracts something other than the maximum of its input"),
                     [*eqns, sub])
-    return x, [sub, mx, *passed]
+    return x, [sub, mx, *passed], perm
 
 
 def unnormalized_of(atom, graph: Graph) -> _Softmax | None:
@@ -330,7 +355,7 @@ def unnormalized_of(atom, graph: Graph) -> _Softmax | None:
     sub = graph.producer(exp.invars[0])
     if sub is None or sub.primitive.name != "sub":
         return None  # an exp of anything else is no softmax's numerator
-    x, more = _max_subtracted(exp, None, graph, [exp])
+    x, more, _ = _max_subtracted(exp, None, graph, [exp])
     axes = tuple(more[1].params["axes"])
     if len(axes) != 1:
         raise _Miss(SOFTMAX(why=f"runs over {len(axes)} axes at once"), [exp, *more])
@@ -482,6 +507,11 @@ class _Analysis:
                                  f"(one head axis expected)"))
         # ---- the logits, down to the queries' contraction
         terms, masks, mult, c1_atom = self.logits(x)
+        if self.moved != sorted(self.moved):  # transposed on the way: the contraction's axes
+            if self.split is not None:
+                self.miss(LAYOUT(why="the logits are transposed and merged over two head axes"))
+            sm_axis = self.moved[sm_axis]
+            w_axes = tuple(self.moved[a] for a in w_axes)
         c1 = contraction(c1_atom, g.producer, self.single_use)
         self.core += c1.eqns
         out1 = c1.labels[2]
@@ -611,6 +641,11 @@ class _Analysis:
             if sm is not None:
                 if self.split is not None and sm.axis == self.split[0]:
                     self.miss(LAYOUT(why="the softmax runs over the axis the weights split"))
+                if sm.perm is not None:
+                    if self.split is not None:
+                        self.miss(LAYOUT(why="the softmax moves its axis and the weights are "
+                                             "split over two head axes"))
+                    axes = [sm.perm[a] for a in axes]  # among the logits' axes
                 return sm, tuple(axes)
             e = g.producer(cur) if C.is_var(cur) else None
             if e is None:
@@ -738,7 +773,8 @@ class _Analysis:
             return False
         name = e.primitive.name
         if name in ("dot_general", "transpose"):
-            return contraction(atom, self.graph.producer, self.single_use) is not None
+            return contraction(atom, self.graph.producer, self.single_use) is not None or (
+                name == "transpose" and self._reaches_dot(e.invars[0], depth + 1))
         if name in ("convert_element_type", "copy", "neg") or (name == "reshape" and self.split):
             return self._reaches_dot(e.invars[0], depth + 1)
         if name in ("add", "add_any", "sub", "mul", "div", "select_n"):
@@ -753,6 +789,7 @@ class _Analysis:
         mult, cur = 1.0, x
         rank = len(x.aval.shape)
         identity = lambda view: view  # noqa: E731
+        self.moved = list(range(rank))  # x's axis i is axis moved[i] of `cur`
         while True:
             if contraction(cur, g.producer, self.single_use) is not None:
                 if self.split is not None:
@@ -784,6 +821,16 @@ class _Analysis:
                 return terms, masks, mult, e.invars[0]
             if name in ("convert_element_type", "copy") and _is_float(e.outvars[0].aval.dtype) \
                     and _is_float(e.invars[0].aval.dtype):
+                self.core.append(e)
+                cur = e.invars[0]
+                continue
+            if name == "transpose" and self.split is None:
+                # (penzai's named axes) the masks and bias read at the operand's
+                # axes: a reshape still lays them out where their axes keep their order
+                perm = tuple(e.params["permutation"])
+                self.moved = [perm[a] for a in self.moved]
+                terms = [self._permuted(t, perm) for t in terms]
+                masks = [self._permuted(t, perm) for t in masks]
                 self.core.append(e)
                 cur = e.invars[0]
                 continue
@@ -843,6 +890,17 @@ class _Analysis:
                                why="a soft cap of the logits (`cap * tanh(s / cap)`, Gemma 2's): "
                                    "jax.nn.dot_product_attention has no soft cap to express it"), e)
             self.miss(STEP(culprit=name, where=_LOGITS, why="not a step attention takes"), e)
+
+    @staticmethod
+    def _permuted(term, perm):
+        """`term` read at the axes of a transpose's operand (the transpose's
+        axis j is its operand's axis perm[j])."""
+        inverse = [0] * len(perm)
+        for j, p in enumerate(perm):
+            inverse[p] = j
+        order = term.order or tuple(range(len(perm)))
+        return dataclasses.replace(term, view=tuple(term.view[i] for i in inverse),
+                                   order=tuple(order[i] for i in inverse))
 
     def split_terms(self, atom, coefficient, terms, masks, to_logits, rank):
         """An additive term of the logits as bias terms and mask factors."""
@@ -947,7 +1005,7 @@ class _Analysis:
             return False, None, rest
         combined = np.ones((1,) * len(shape), bool)
         for m in consts:
-            v = np.reshape(np.asarray(m.value) != 0, m.view)
+            v = m.laid_out(np.asarray(m.value) != 0)
             combined = combined & (~v if m.negate else v)
         t, s = roles.index("T"), roles.index("S")
         for ax, n in enumerate(combined.shape):
@@ -1152,12 +1210,12 @@ def _replacement(plan: _Plan):
             four(v, plan.v.roles, "S", "D")
         bias = mask = None
         for t, a in zip(plan.bias, args[3:3 + nb]):
-            b = logits4(jnp.reshape(a, t.view))
+            b = logits4(t.laid_out(a, jnp))
             if t.coefficient != 1.0:
                 b = b * jnp.asarray(t.coefficient, b.dtype)
             bias = b if bias is None else bias + b
         for t, a in zip(plan.masks, args[3 + nb:]):
-            m = jnp.reshape(a, t.view)
+            m = t.laid_out(a, jnp)
             m = logits4(jnp.logical_not(m) if t.negate else m)
             mask = m if mask is None else jnp.logical_and(mask, m)
         platform = target_platform()
@@ -1210,8 +1268,8 @@ def _plan_key(plan: _Plan, avals) -> tuple:
         return (tuple((e.primitive.name, repr(sorted(e.params.items()))) for e in s.replay),
                 repr(s.roles))
     return (repr(plan.logit_roles), plan.logit_shape, repr(plan.out_roles), plan.out_dtype.name,
-            plan.dtype.name, plan.scale, tuple((t.view, t.coefficient) for t in plan.bias),
-            tuple((t.view, t.negate) for t in plan.masks), plan.causal, plan.window,
+            plan.dtype.name, plan.scale, tuple((t.view, t.order, t.coefficient) for t in plan.bias),
+            tuple((t.view, t.order, t.negate) for t in plan.masks), plan.causal, plan.window,
             repr(plan.heads), plan.form, plan.zero_masked_rows, side(plan.q), side(plan.k),
             side(plan.v), side(_Side(None, plan.post, ())), repr(plan.result_dtype),
             tuple((tuple(a.shape), np.dtype(a.dtype).name) for a in avals), target_platform())

@@ -636,3 +636,43 @@ def test_a_soft_capped_attention_names_what_jax_nn_lacks(rng):
     assert not site.fused and "has no soft cap" in site.reason and "tanh" in site.reason, site
     opt = jaxfuse.optimize(f, patterns=rules(), policy="always")
     np.testing.assert_array_equal(np.asarray(opt(q, k, v)), np.asarray(jax.jit(f)(q, k, v)))
+
+
+def _named_softmax(x):
+    # x [T, S, B, N]: the softmax over S vmapped over T, B and N, as penzai's
+    # named-axis `nmap` runs jax.nn.softmax (inside, S is moved last)
+    f = jax.vmap(jax.nn.softmax, in_axes=1, out_axes=0)   # [S, N] -> [N, S]
+    f = jax.vmap(f, in_axes=1, out_axes=0)                 # [S, B, N] -> [B, N, S]
+    return jax.vmap(f, in_axes=0, out_axes=0)(x)           # [T, S, B, N] -> [T, B, N, S]
+
+
+def _named_axes(q, k, v, mask):
+    # penzai's spelling: the logits transposed to [T, S, B, N], masked there, and
+    # the softmax under nmap
+    s = jnp.einsum("btnh,bsnh->bnst", q, k) * np.float32(q.shape[-1] ** -0.5)
+    s = jnp.transpose(s, (3, 2, 0, 1))
+    s = jnp.where(mask, s, -1e30)
+    return jnp.einsum("tbns,bsnh->btnh", _named_softmax(s), v)
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "padding"])
+def test_a_softmax_under_named_axes_is_read_through_its_transposes(rng, mask_kind):
+    """penzai's nmap runs the softmax with its axis moved last and the logits
+    transposed to its named layout: rewritten, the masks read at the
+    contraction's axes (a causal one as is_causal); forward and gradient."""
+    b, t, n, h = 2, 8, 2, 4
+    q, k, v = (_x(rng, b, t, n, h) for _ in range(3))
+    if mask_kind == "causal":
+        mask = jnp.asarray(np.tril(np.ones((t, t), bool)))[:, :, None, None]   # [T, S, 1, 1]
+    else:
+        pad = np.ones((b, t), bool)
+        pad[1, 5:] = False
+        mask = jnp.asarray(np.broadcast_to(pad.T[None, :, :, None], (t, t, b, 1)))  # [T, S, B, 1]
+
+    def f(q, k, v):
+        return _named_axes(q, k, v, mask)
+
+    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
+               if s.pattern == "attention"]
+    assert site.fused and ("causal" in site.spelling) == (mask_kind == "causal"), site
+    check(f, q, k, v, grad_argnums=(0, 1, 2))
