@@ -122,7 +122,7 @@ def cross_entropy(mesh) -> dict:
     fused = jaxfuse.optimize(step, patterns=X.rules(budget=128 << 10))  # 4 chunks a device
     try:
         jax.jit(step)(x, w, labels)
-    except Exception as e:  # jax 0.11 cannot differentiate take_along_axis under Explicit axes
+    except Exception as e:  # jax 0.11, 0.12.0: no take_along_axis gradient under Explicit axes
         if type(e).__name__ != "ShardingTypeError":
             raise
         try:

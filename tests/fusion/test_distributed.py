@@ -98,10 +98,10 @@ def test_the_cross_entropy_rule_runs_per_device_across_processes(results):
     collectives moving at most jit's bytes (none added per chunk)."""
     for r in results:
         ce = r["cross_entropy"]
-        if "jit_error" in ce:  # jax 0.11's own limit under the mesh's Explicit axes:
-            import jax     # optimize fails as jit does; the figures below are on Auto axes
+        if "jit_error" in ce:  # jax 0.11's and 0.12.0's own limit under the mesh's Explicit
+            import jax     # axes: optimize fails as jit does; the figures below are on Auto axes
 
-            assert jax.__version__.startswith("0.11."), ce
+            assert tuple(int(p) for p in jax.__version__.split(".")[:3]) < (0, 12, 1), ce
             assert ce["same_error"], ce
         assert ce["sites"] == 1, ce
         assert ce["error"] < 1e-5, ce
