@@ -464,6 +464,7 @@ class _Analysis:
         # gemma's grouped layer: the softmax runs on [.., K*G, ..], split into (K, G) after
         # it and merged from them before it: (the merged axis, K, G), coordinates unmerged
         self.split: tuple | None = None
+        self.moved: list = []   # (logits()) the softmax input's axis i is axis moved[i] of c1's
         self.core: list = []
         self.optional: list = []
         self.fills: list = []   # (effective fill, dtype, equation) of every mask found
@@ -654,11 +655,10 @@ class _Analysis:
             if self.split is not None and name not in ("convert_element_type", "copy"):
                 self.miss(STEP(culprit=name, where=_WEIGHTS, why="not a step attention takes "
                                                                  "after the heads' split"), e)
-            if name == "reshape" and self.split is None and not self.deferred \
-                    and _merged_axis(e.outvars[0].aval.shape, e.invars[0].aval.shape) is not None:
+            if name == "reshape" and self.split is None and not self.deferred and (
+                    a := _merged_axis(e.outvars[0].aval.shape, e.invars[0].aval.shape)) is not None:
                 # [.., K*G, ..] -> [.., K, G, ..] (gemma): the atom's axes stay in the
                 # split coordinates, which the logits' contraction has too
-                a = _merged_axis(e.outvars[0].aval.shape, e.invars[0].aval.shape)
                 shape = e.outvars[0].aval.shape
                 self.split = (a, int(shape[a]), int(shape[a + 1]))
                 self.core.append(e)
@@ -789,7 +789,7 @@ class _Analysis:
         mult, cur = 1.0, x
         rank = len(x.aval.shape)
         identity = lambda view: view  # noqa: E731
-        self.moved = list(range(rank))  # x's axis i is axis moved[i] of `cur`
+        self.moved = list(range(rank))  # x's axis i is axis moved[i] of `cur`, so far
         while True:
             if contraction(cur, g.producer, self.single_use) is not None:
                 if self.split is not None:
@@ -1132,16 +1132,22 @@ def _masks(fill: float, dtype) -> bool:
     return fill <= _MASK_FILL or (_is_float(dtype) and fill <= float(jnp.finfo(dtype).min))
 
 
+def _merges(split_shape, merged_shape) -> list:
+    """Every axis `a` where `merged_shape` is `split_shape` with its axes a
+    and a + 1 merged (a reshape that merges two neighbours), in order."""
+    i, o = tuple(split_shape), tuple(merged_shape)
+    if len(i) != len(o) + 1:
+        return []
+    return [a for a in range(len(o))
+            if i[:a] == o[:a] and i[a + 2:] == o[a + 1:] and i[a] * i[a + 1] == o[a]]
+
+
 def _merged_axis(split_shape, merged_shape) -> int | None:
     """The axis `a` where `merged_shape` is `split_shape` with its axes a and
     a + 1 merged, the second longer than 1 (a first of size 1: one key/value
     head), else None."""
-    i, o = tuple(split_shape), tuple(merged_shape)
-    if len(i) != len(o) + 1:
-        return None
-    found = [a for a in range(len(o)) if i[:a] == o[:a] and i[a + 2:] == o[a + 1:]
-             and i[a] * i[a + 1] == o[a] and i[a + 1] > 1]
-    whole = [a for a in found if i[a] > 1]
+    found = [a for a in _merges(split_shape, merged_shape) if split_shape[a + 1] > 1]
+    whole = [a for a in found if split_shape[a] > 1]
     return (whole or found or [None])[0]
 
 
@@ -1152,15 +1158,12 @@ def _repeat(reshape, graph: Graph):
     bcast = graph.producer(reshape.invars[0]) if C.is_var(reshape.invars[0]) else None
     if bcast is None or bcast.primitive.name != "broadcast_in_dim" or len(bcast.invars) != 1:
         return None
-    i, o = tuple(reshape.invars[0].aval.shape), tuple(reshape.outvars[0].aval.shape)
-    if len(i) != len(o) + 1:
-        return None
-    for a in range(len(o)):
-        if i[:a] == o[:a] and i[a + 2:] == o[a + 1:] and i[a] * i[a + 1] == o[a]:
-            dims = tuple(bcast.params["broadcast_dimensions"])
-            src = tuple(bcast.invars[0].aval.shape)
-            if dims == tuple(d for d in range(len(i)) if d != a + 1) and src == i[:a + 1] + i[a + 2:]:
-                return a, i[a + 1], bcast
+    i = tuple(reshape.invars[0].aval.shape)
+    dims = tuple(bcast.params["broadcast_dimensions"])
+    src = tuple(bcast.invars[0].aval.shape)
+    for a in _merges(i, reshape.outvars[0].aval.shape):
+        if dims == tuple(d for d in range(len(i)) if d != a + 1) and src == i[:a + 1] + i[a + 2:]:
+            return a, i[a + 1], bcast
     return None
 
 

@@ -50,6 +50,19 @@ def check(fun, *args, grad_argnums=0):
           jax.jit(jax.grad(loss, argnums=grad_argnums))(*args), tol=1e-4)
 
 
+def the_site(fun, *args):
+    """The one attention site `explain` reports for fun's program under "always"."""
+    (site,) = [s for s in jaxfuse.explain(fun, *args, patterns=rules(), policy="always").sites
+               if s.pattern == "attention"]
+    return site
+
+
+def assert_jits_program(fun, *args):
+    """A declined site leaves jit's program: the same values bit for bit."""
+    got = jaxfuse.optimize(fun, patterns=rules(), policy="always")(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(fun)(*args)))
+
+
 def _x(rng, *shape, dtype=jnp.float32):
     return jnp.asarray(rng.standard_normal(shape), dtype)
 
@@ -411,8 +424,7 @@ def test_a_remask_after_the_softmax_is_read_through(rng, causal):
     def f(q, k, v):
         return _keras_style(q, k, v, mask)
 
-    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
-               if s.pattern == "attention"]
+    site = the_site(f, q, k, v)
     assert site.fused and "re-masked after the softmax" in site.spelling, site
     opt = jaxfuse.optimize(f, patterns=rules(), policy="always")
     want = jax.jit(f)(q, k, v)
@@ -454,8 +466,7 @@ def test_normalized_after_the_values_contraction(rng, move, mask):
     def f(q, k, v):
         return _deferred(q, k, v, move=move, mask=mask)
 
-    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
-               if s.pattern == "attention"]
+    site = the_site(f, q, k, v)
     assert site.fused and "normalized after the values' contraction" in site.spelling, site
     assert ("causal" in site.spelling) == mask, site
     check(f, q, k, v, grad_argnums=(0, 1, 2))
@@ -498,11 +509,9 @@ def test_a_division_after_the_contraction_that_differs_is_declined(rng, kwargs, 
     def f(q, k, v):
         return _deferred(q, k, v, **kwargs)
 
-    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
-               if s.pattern == "attention"]
+    site = the_site(f, q, k, v)
     assert not site.fused and why in site.reason, site
-    opt = jaxfuse.optimize(f, patterns=rules(), policy="always")
-    np.testing.assert_array_equal(np.asarray(opt(q, k, v)), np.asarray(jax.jit(f)(q, k, v)))
+    assert_jits_program(f, q, k, v)
 
 
 # ------------------------------------------------ a group axis of the queries
@@ -564,8 +573,7 @@ def test_a_group_axis_of_the_queries_is_read_as_key_value_heads(rng, spelling, k
     def f(q, k, v):
         return spelling(q, k, v, mask)
 
-    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
-               if s.pattern == "attention"]
+    site = the_site(f, q, k, v)
     assert site.fused, site
     assert (f"{groups} query heads per key/value head" in site.spelling) == (groups > 1), site
     check(f, q, k, v, grad_argnums=(0, 1, 2))
@@ -597,8 +605,7 @@ def test_gemmas_heads_merged_around_the_softmax(rng, kv, groups):
     def f(q, k, v):
         return _gemma_grouped(q, k, v, mask)
 
-    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
-               if s.pattern == "attention"]
+    site = the_site(f, q, k, v)
     assert site.fused and f"{groups} query heads per key/value head" in site.spelling, site
     check(f, q, k, v, grad_argnums=(0, 1, 2))
 
@@ -614,11 +621,9 @@ def test_heads_split_otherwise_than_merged_are_declined(rng):
         probs = jax.nn.softmax(logits, axis=-1).reshape(b, t, 2, 2, t)
         return jnp.einsum("BTGKS,BSKH->BTKGH", probs, v).reshape(b, t, 4, h)
 
-    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
-               if s.pattern == "attention"]
+    site = the_site(f, q, k, v)
     assert not site.fused and "query axes" in site.reason, site
-    opt = jaxfuse.optimize(f, patterns=rules(), policy="always")
-    np.testing.assert_array_equal(np.asarray(opt(q, k, v)), np.asarray(jax.jit(f)(q, k, v)))
+    assert_jits_program(f, q, k, v)
 
 
 def test_a_soft_capped_attention_names_what_jax_nn_lacks(rng):
@@ -631,11 +636,9 @@ def test_a_soft_capped_attention_names_what_jax_nn_lacks(rng):
         s = 50.0 * jnp.tanh(s / 50.0)
         return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
 
-    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
-               if s.pattern == "attention"]
+    site = the_site(f, q, k, v)
     assert not site.fused and "has no soft cap" in site.reason and "tanh" in site.reason, site
-    opt = jaxfuse.optimize(f, patterns=rules(), policy="always")
-    np.testing.assert_array_equal(np.asarray(opt(q, k, v)), np.asarray(jax.jit(f)(q, k, v)))
+    assert_jits_program(f, q, k, v)
 
 
 def _named_softmax(x):
@@ -672,7 +675,6 @@ def test_a_softmax_under_named_axes_is_read_through_its_transposes(rng, mask_kin
     def f(q, k, v):
         return _named_axes(q, k, v, mask)
 
-    (site,) = [s for s in jaxfuse.explain(f, q, k, v, patterns=rules(), policy="always").sites
-               if s.pattern == "attention"]
+    site = the_site(f, q, k, v)
     assert site.fused and ("causal" in site.spelling) == (mask_kind == "causal"), site
     check(f, q, k, v, grad_argnums=(0, 1, 2))
